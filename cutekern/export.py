@@ -1,0 +1,98 @@
+"""Ahead-of-time export: every registered variant for every requested arch, on any machine.
+
+Layout of an export directory:
+    manifest.json                  one entry per variant (see ``Manifest`` in runtime.py)
+    <arch>/<prefix>.o / .h / .sass   the object, its C header, its SASS listing
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+MANIFEST_VERSION = 1
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+def export(arches, out_dir, *, ops=None, designs=None, log=print) -> dict:
+    from . import compile as ck
+    from .registry import all_keys
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    keys = [k for k in all_keys(arches)
+            if (ops is None or k.op in ops) and (designs is None or k.design in designs)]
+    if not keys:
+        raise ExportError(f"no variants registered for arches={arches} ops={ops} designs={designs}")
+    entries, failures = [], []
+    t_all = time.time()
+    for i, key in enumerate(keys, 1):
+        tag = f"[{i}/{len(keys)}] {key.arch:8s} {key.op} {key.design:5s} " \
+              f"{'/'.join(v for _, v in key.dtypes)} {dict(key.flags)}"
+        t0 = time.time()
+        try:
+            entry = ck.build(key)
+            meta = ck.read_meta(entry)
+            sass = meta["sass"]
+            missing = sorted(set(sass["required"]) - set(sass["required_found"]))
+            if missing or sass["forbidden_found"]:
+                raise ExportError(f"SASS fingerprint check failed: missing {missing}, "
+                                  f"forbidden present {sass['forbidden_found']}")
+            dst = out / key.arch
+            dst.mkdir(exist_ok=True)
+            for ext in ("o", "h", "sass"):
+                shutil.copyfile(entry / f"kernel.{ext}", dst / f"{key.prefix}.{ext}")
+            meta.update(object=f"{key.arch}/{key.prefix}.o", header=f"{key.arch}/{key.prefix}.h")
+            entries.append(meta)
+            log(f"{tag}  ok  {time.time() - t0:5.1f}s  sass: {','.join(sass['required_found'])}")
+        except Exception as e:  # keep going: report every failing variant at the end
+            failures.append((tag, f"{type(e).__name__}: {e}"))
+            log(f"{tag}  FAILED  {type(e).__name__}: {str(e)[:300]}")
+    manifest = {"version": MANIFEST_VERSION, "dsl_version": ck.dsl_version(),
+                "arches": list(arches), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "kernels": entries}
+    tmp = out / ".manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1, default=str))
+    os.replace(tmp, out / "manifest.json")
+    log(f"exported {len(entries)}/{len(keys)} variants to {out} in {time.time() - t_all:.0f}s")
+    if failures:
+        raise ExportError(f"{len(failures)} variant(s) failed:\n" +
+                          "\n".join(f"  {t}: {e}" for t, e in failures))
+    return manifest
+
+
+def runtime_library_path() -> Path:
+    """The DSL's C runtime library in the installed nvidia-cutlass-dsl (export side)."""
+    import importlib.util
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    if spec is None:
+        raise ExportError("nvidia-cutlass-dsl is not installed")
+    base = Path(list(spec.submodule_search_locations)[0])
+    libs = sorted(base.glob("cu*/lib/libcute_dsl_runtime.so"))
+    if not libs:
+        raise ExportError(f"libcute_dsl_runtime.so not found under {base}")
+    return libs[-1]
+
+
+def bundle(out_dir, *, arches=("sm_90a",), log=print) -> Path:
+    """A self-contained folder for a GPU machine without the DSL: the exported objects of
+    every op for ``arches`` plus the runtime library (xz-compressed: the call limit is
+    64 MiB and the library is 44 MB). ``cutekern selftest --bundle DIR`` runs from it."""
+    import lzma
+    out = Path(out_dir)
+    export(arches, out, log=log)
+    lib = runtime_library_path()
+    (out / "lib").mkdir(exist_ok=True)
+    with open(lib, "rb") as src, lzma.open(out / "lib" / (lib.name + ".xz"), "wb", preset=6) as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    log(f"bundle {out}: {size / 2**20:.1f} MiB")
+    if size > 60 * 2**20:
+        raise ExportError(f"bundle is {size / 2**20:.1f} MiB, over the 60 MiB budget")
+    return out

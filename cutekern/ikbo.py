@@ -1,0 +1,202 @@
+"""IKBO ops over torch tensors: user x candidate kernels that never broadcast user tensors.
+
+    lce = LinearCompression(w_cand, w_user)     # pads weights once (16-byte rows)
+    out = lce(e_cand, e_user, cand_to_user)     # [B, M, N]
+    out = linear_compression(w_cand, w_user, e_cand, e_user, cand_to_user)  # one-shot
+
+Both run two launches of one kernel class: the user GEMM once per user into fp32
+partials [U, M, N], then the candidate GEMM whose epilogue adds the partial tile of
+``cand_to_user[b]`` (a gather mode of the user view; no [B, M, N] intermediate).
+"""
+from __future__ import annotations
+
+import torch
+
+from .reference import pad_k
+
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _err(name, msg):
+    return ValueError(f"linear_compression: argument '{name}' {msg}")
+
+
+def _check_weight(name, w, dtype=None, m=None):
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"linear_compression: argument '{name}' must be a torch.Tensor")
+    if w.dtype not in _DTYPES:
+        raise TypeError(f"linear_compression: argument '{name}' must be float16 or bfloat16, got {w.dtype}")
+    if dtype is not None and w.dtype != dtype:
+        raise TypeError(f"linear_compression: argument '{name}' must have dtype {dtype} like w_cand, got {w.dtype}")
+    if w.dim() != 2:
+        raise _err(name, f"must be 2-D [M, K], got shape {tuple(w.shape)}")
+    if m is not None and w.shape[0] != m:
+        raise _err(name, f"must have M={m} rows like w_cand, got {w.shape[0]}")
+
+
+def _check_rows16(name, t):
+    """Embedding tensors go to the kernel as they are: N contiguous, 16-byte aligned rows."""
+    esz = t.element_size()
+    if t.shape[-1] % 8 != 0:
+        raise _err(name, f"last dim N={t.shape[-1]} must be a multiple of 8 (16-byte rows)")
+    if t.stride(-1) != 1:
+        raise _err(name, "must be contiguous in its last dim (N)")
+    for d in range(t.dim() - 1):
+        if t.shape[d] > 1 and t.stride(d) % 8 != 0:
+            raise _err(name, f"stride {t.stride(d)} of dim {d} must be a multiple of 8 elements")
+    if t.data_ptr() % 16 != 0:
+        raise _err(name, "data pointer must be 16-byte aligned")
+
+
+class LinearCompression:
+    """Prepared IKBO Linear Compression Embedding: weights padded once, then any batch.
+
+    w_cand [M, K_cand], w_user [M, K_user] (fp16 or bf16, same dtype, same device).
+    """
+
+    def __init__(self, w_cand: torch.Tensor, w_user: torch.Tensor):
+        _check_weight("w_cand", w_cand)
+        _check_weight("w_user", w_user, w_cand.dtype, w_cand.shape[0])
+        if w_user.device != w_cand.device:
+            raise _err("w_user", f"is on {w_user.device}, w_cand on {w_cand.device}")
+        self.m = w_cand.shape[0]
+        self.k_cand, self.k_user = w_cand.shape[1], w_user.shape[1]
+        self.dtype = w_cand.dtype
+        # zero pad keeps the k-tail exact; the kernel also relies on it (see kernels/CONTRACT.md)
+        self.w_cand = pad_k(w_cand)
+        self.w_user = pad_k(w_user)
+
+    def __call__(self, e_cand, e_user, cand_to_user, out=None, *, check_indices=True):
+        _validate(self, e_cand, e_user, cand_to_user, out)
+        if out is None:
+            return torch.ops.cutekern.lce(self.w_cand, self.w_user, e_cand, e_user,
+                                          cand_to_user, check_indices)
+        torch.ops.cutekern.lce_out(self.w_cand, self.w_user, e_cand, e_user, cand_to_user,
+                                   out, check_indices)
+        return out
+
+
+def linear_compression(w_cand, w_user, e_cand, e_user, cand_to_user, out=None, *, check_indices=True):
+    """out[b] = w_cand @ e_cand[b] + w_user @ e_user[cand_to_user[b]]  (fp32 accumulation).
+
+    e_cand [B, K_cand, N], e_user [U, K_user, N], cand_to_user int32 [B] non-decreasing in
+    [0, U); output [B, M, N] in the input dtype. Weights whose K is not a multiple of 8 are
+    padded on every call; use ``LinearCompression`` to pay that once. ``check_indices``
+    validates cand_to_user on the device and syncs once; turn it off inside CUDA graphs.
+    """
+    return LinearCompression(w_cand, w_user)(e_cand, e_user, cand_to_user, out,
+                                             check_indices=check_indices)
+
+
+def _validate(lce, e_cand, e_user, cand_to_user, out):
+    """Metadata checks (no device sync); the index values are checked inside the op."""
+    dt, dev = lce.dtype, lce.w_cand.device
+    for name, t, rank in (("e_cand", e_cand, 3), ("e_user", e_user, 3), ("cand_to_user", cand_to_user, 1)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"linear_compression: argument '{name}' must be a torch.Tensor")
+        if t.dim() != rank:
+            raise _err(name, f"must be {rank}-D, got shape {tuple(t.shape)}")
+        if t.device != dev:
+            raise _err(name, f"is on {t.device}, weights on {dev}")
+    for name, t in (("e_cand", e_cand), ("e_user", e_user)):
+        if t.dtype != dt:
+            raise TypeError(f"linear_compression: argument '{name}' must have dtype {dt} like the weights, got {t.dtype}")
+    if cand_to_user.dtype != torch.int32:
+        raise TypeError(f"linear_compression: argument 'cand_to_user' must be int32, got {cand_to_user.dtype}")
+    b, kc, n = e_cand.shape
+    u, ku, n2 = e_user.shape
+    if kc != lce.k_cand:
+        raise _err("e_cand", f"dim 1 must be K_cand={lce.k_cand} (w_cand's K), got {kc}")
+    if ku != lce.k_user:
+        raise _err("e_user", f"dim 1 must be K_user={lce.k_user} (w_user's K), got {ku}")
+    if n2 != n:
+        raise _err("e_user", f"must have N={n} like e_cand, got {n2}")
+    if cand_to_user.shape[0] != b:
+        raise _err("cand_to_user", f"must have B={b} entries like e_cand, got {cand_to_user.shape[0]}")
+    if b > 0 and u == 0:
+        raise _err("e_user", "has 0 users but there are candidates")
+    if b > 0:
+        _check_rows16("e_cand", e_cand)
+    if u > 0:
+        _check_rows16("e_user", e_user)
+    if b > 1 and cand_to_user.stride(0) != 1:
+        raise _err("cand_to_user", "must be contiguous")
+    if out is not None:
+        if tuple(out.shape) != (b, lce.m, n) or out.dtype != dt or out.device != dev:
+            raise _err("out", f"must be {dt} of shape {(b, lce.m, n)} on {dev}, "
+                              f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+        if b > 0:
+            _check_rows16("out", out)
+    if dev.type != "cuda":
+        raise _err("w_cand", f"must be on a CUDA device, got {dev} (cutekern has no CPU kernels; "
+                             f"cutekern.reference has the float64 reference)")
+
+
+def _check_indices(cand_to_user, num_users):
+    """cand_to_user in [0, U) and non-decreasing; one device sync. Skipped while a CUDA
+    graph is being captured (a sync is illegal there)."""
+    c = cand_to_user
+    if c.numel() == 0 or (c.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    bad_range = (c.min() < 0) | (c.max() >= num_users)
+    bad_order = (c[1:] < c[:-1]).any()
+    flags = torch.stack([bad_range, bad_order]).tolist()
+    if flags[0]:
+        raise _err("cand_to_user", f"has values outside [0, U={num_users})")
+    if flags[1]:
+        raise _err("cand_to_user", "must be non-decreasing (candidates of a user contiguous)")
+
+
+def _launch(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out):
+    from .dispatch import get_function
+    b, kc, n = e_cand.shape
+    u, ku, _ = e_user.shape
+    if b == 0:
+        return out
+    ab = _DTYPES[w_cand_p.dtype]
+    dev = e_cand.device
+    if ku == 0:
+        partial = torch.zeros(u, w_user_p.shape[0], n, dtype=torch.float32, device=dev)
+    else:
+        partial = torch.empty(u, w_user_p.shape[0], n, dtype=torch.float32, device=dev)
+        user = get_function("lce_gemm", {"ab": ab, "c": "float32"}, {"has_addend": False}, dev)
+        # d/idx are unused by this variant; pass valid tensors of the right kind
+        user(w_user_p, e_user, partial, partial, cand_to_user)
+    if kc == 0:
+        out.copy_(partial.index_select(0, cand_to_user.long()))
+        return out
+    cand = get_function("lce_gemm", {"ab": ab, "c": ab}, {"has_addend": True}, dev)
+    cand(w_cand_p, e_cand, out, partial, cand_to_user)
+    return out
+
+
+# ------------------------------------------------------------------ torch custom ops
+# Inputs are the padded weights (see LinearCompression); metadata is validated by the
+# Python wrapper, index values inside the op so torch.compile'd callers keep the check.
+@torch.library.custom_op("cutekern::lce", mutates_args=())
+def _lce_op(w_cand_p: torch.Tensor, w_user_p: torch.Tensor, e_cand: torch.Tensor,
+            e_user: torch.Tensor, cand_to_user: torch.Tensor, check_indices: bool) -> torch.Tensor:
+    if check_indices:
+        _check_indices(cand_to_user, e_user.shape[0])
+    res = torch.empty(e_cand.shape[0], w_cand_p.shape[0], e_cand.shape[2],
+                      dtype=w_cand_p.dtype, device=e_cand.device)
+    return _launch(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, res)
+
+
+@_lce_op.register_fake
+def _(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, check_indices):
+    return e_cand.new_empty(e_cand.shape[0], w_cand_p.shape[0], e_cand.shape[2])
+
+
+@torch.library.custom_op("cutekern::lce_out", mutates_args=("out",))
+def _lce_out_op(w_cand_p: torch.Tensor, w_user_p: torch.Tensor, e_cand: torch.Tensor,
+                e_user: torch.Tensor, cand_to_user: torch.Tensor, out: torch.Tensor,
+                check_indices: bool) -> None:
+    if check_indices:
+        _check_indices(cand_to_user, e_user.shape[0])
+    _launch(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out)
+
+
+@_lce_out_op.register_fake
+def _(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out, check_indices):
+    return None

@@ -1,0 +1,110 @@
+"""Which kernel variants exist: ops x designs x dtypes x flags. DSL-free.
+
+A variant's identity is a KernelKey; everything that changes generated code is in it
+(op, design, arch, dtypes, flags, tile config), so it doubles as the compile-cache key.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from . import abi as _abi
+from .arch import DESIGNS_FOR_ARCH
+
+
+@dataclass(frozen=True)
+class KernelKey:
+    op: str
+    design: str
+    arch: str
+    dtypes: tuple  # ((role, dtype name), ...)
+    flags: tuple = ()  # ((name, value), ...)
+    config: tuple = ()  # ((field, value), ...) of the design's frozen config
+
+    def as_dict(self) -> dict:
+        return {"op": self.op, "design": self.design, "arch": self.arch,
+                "dtypes": dict(self.dtypes), "flags": dict(self.flags),
+                "config": dict(self.config)}
+
+    @property
+    def digest(self) -> str:
+        blob = json.dumps(self.as_dict(), sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+    @property
+    def prefix(self) -> str:
+        """C symbol prefix of the exported function: readable and unique per key."""
+        dt = "_".join(v.replace("float", "f").replace("bfloat", "bf") for _, v in self.dtypes)
+        return f"ck_{self.op}_{self.design}_{self.arch}_{dt}_{self.digest}"
+
+    def lookup(self) -> tuple:
+        """Identity without the config: what a caller asks the runtime for."""
+        return (self.op, self.design, self.arch, self.dtypes, self.flags)
+
+
+@dataclass(frozen=True)
+class DesignImpl:
+    module: str       # e.g. "kernels.sm90.lce"
+    kernel_class: str
+    config_class: str
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    abi: object  # callable(**dtypes) -> tuple of ABI args
+    designs: dict  # design -> DesignImpl
+    variants: tuple  # ((dtypes tuple, flags tuple), ...)
+    doc: str = ""
+
+
+def _lce_variants():
+    out = []
+    for ab in ("float16", "bfloat16"):
+        # user phase: fp32 partials, no addend; candidate phase: output dtype, + gathered addend
+        out.append(((("ab", ab), ("c", "float32")), (("has_addend", False),)))
+        out.append(((("ab", ab), ("c", ab)), (("has_addend", True),)))
+    return tuple(out)
+
+
+OPS: dict = {
+    "lce_gemm": OpSpec(
+        name="lce_gemm",
+        abi=lambda ab, c: _abi.lce_gemm_abi(ab, c),
+        designs={
+            "sm90": DesignImpl("kernels.sm90.lce", "LceGemmSm90", "LceSm90Config"),
+            "ada": DesignImpl("kernels.ada.lce", "LceGemmAda", "LceAdaConfig"),
+            "sm100": DesignImpl("kernels.sm100.lce", "LceGemmSm100", "LceSm100Config"),
+        },
+        variants=_lce_variants(),
+        doc="IKBO linear compression: batched GEMM with stride-0 weight and gathered addend",
+    ),
+}
+
+
+def default_config(op: str, design: str) -> tuple:
+    """The design's default config as a key tuple (imports the kernel module: needs DSL)."""
+    import dataclasses
+    import importlib
+    impl = OPS[op].designs[design]
+    cls = getattr(importlib.import_module(impl.module), impl.config_class)
+    return tuple((f.name, getattr(cls(), f.name)) for f in dataclasses.fields(cls))
+
+
+def all_keys(arches, with_config=True) -> list:
+    """Every registered variant for the given arches (configs resolved if asked)."""
+    keys = []
+    for arch in arches:
+        for op in OPS.values():
+            for design in DESIGNS_FOR_ARCH[arch]:
+                if design not in op.designs:
+                    continue
+                cfg = default_config(op.name, design) if with_config else ()
+                for dtypes, flags in op.variants:
+                    keys.append(KernelKey(op.name, design, arch, dtypes, flags, cfg))
+    return keys
+
+
+def abi_for(key: KernelKey) -> tuple:
+    return OPS[key.op].abi(**dict(key.dtypes))

@@ -1,0 +1,257 @@
+"""DSL-free runtime: load exported kernels and launch them on torch tensors.
+
+Works where nvidia-cutlass-dsl is NOT installed (a serving box, the lent GPU machine):
+it needs only torch, a manifest written by ``cutekern export`` and the DSL's small C
+runtime (``libcute_dsl_runtime.so``), loaded with ctypes. Each call's arguments are
+checked against the manifest ABI (dtype, rank, device, contiguity, alignment, extents)
+before anything is launched; errors name the argument.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import lzma
+import os
+import shutil
+import threading
+from pathlib import Path
+
+from .abi import DTYPE_BYTES
+
+ENV_LIB = "CUTEKERN_RUNTIME_LIB"
+ENV_ARTIFACTS = "CUTEKERN_ARTIFACTS"
+_INT32_MAX = 2**31 - 1
+
+
+class CuteKernRuntimeError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------- the C library
+def _find_library(bundle_dir: Path | None) -> Path:
+    env = os.environ.get(ENV_LIB)
+    if env:
+        return Path(env)
+    if bundle_dir is not None:
+        plain = bundle_dir / "lib" / "libcute_dsl_runtime.so"
+        packed = bundle_dir / "lib" / "libcute_dsl_runtime.so.xz"
+        if plain.exists():
+            return plain
+        if packed.exists():
+            # unpack once, next to a per-user cache, atomically
+            dst_dir = Path(os.environ.get("CUTEKERN_CACHE_DIR", Path.home() / ".cache" / "cutekern")) / "lib"
+            dst_dir.mkdir(parents=True, exist_ok=True)
+            dst = dst_dir / f"libcute_dsl_runtime-{packed.stat().st_size}.so"
+            if not dst.exists():
+                tmp = dst.with_suffix(f".tmp{os.getpid()}")
+                with lzma.open(packed) as src, open(tmp, "wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 20)
+                os.replace(tmp, dst)
+            return dst
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")  # finds, does not import the DSL
+    if spec is not None:
+        base = Path(list(spec.submodule_search_locations)[0])
+        libs = sorted(base.glob("cu*/lib/libcute_dsl_runtime.so"))
+        if libs:
+            return libs[-1]
+    raise CuteKernRuntimeError(
+        "libcute_dsl_runtime.so not found: set CUTEKERN_RUNTIME_LIB, ship it in the "
+        "bundle's lib/ folder, or install nvidia-cutlass-dsl")
+
+
+class _Lib:
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        lib.CuteDSLRT_Module_Create_From_Bytes.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t,
+            ctypes.c_void_p, ctypes.c_size_t]
+        lib.CuteDSLRT_Module_Get_Function.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+        lib.CuteDSLRT_Function_Run.argtypes = [
+            ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+        lib.CuteDSLRT_GetErrorString.restype = ctypes.c_char_p
+        lib.CuteDSLRT_GetErrorString.argtypes = [ctypes.c_int]
+        for fn in ("CuteDSLRT_Module_Create_From_Bytes", "CuteDSLRT_Module_Get_Function",
+                   "CuteDSLRT_Function_Run"):
+            getattr(lib, fn).restype = ctypes.c_int
+        self.lib = lib
+
+    def check(self, err: int, what: str):
+        if err != 0:
+            msg = self.lib.CuteDSLRT_GetErrorString(err)
+            raise CuteKernRuntimeError(f"{what}: runtime error {err} "
+                                       f"({msg.decode() if msg else '?'})")
+
+
+_libs: dict = {}
+_lock = threading.Lock()
+
+
+def _library(bundle_dir: Path | None) -> _Lib:
+    path = _find_library(bundle_dir)
+    with _lock:
+        if path not in _libs:
+            _libs[path] = _Lib(path)
+        return _libs[path]
+
+
+# ---------------------------------------------------------------- argument structs
+_struct_cache: dict = {}
+
+
+def tensor_struct(rank: int):
+    """C struct of a tensor argument whose modes are all dynamic and whose last mode is
+    contiguous: {void* data; int32 shapes[rank]; int64 strides[rank-1]} (as the
+    exported header declares it)."""
+    if rank not in _struct_cache:
+        fields = [("data", ctypes.c_void_p), ("dynamic_shapes", ctypes.c_int32 * rank)]
+        if rank > 1:
+            fields.append(("dynamic_strides", ctypes.c_int64 * (rank - 1)))
+        _struct_cache[rank] = type(f"CuteKernTensor{rank}", (ctypes.Structure,), {"_fields_": fields})
+    return _struct_cache[rank]
+
+
+_TORCH_NAMES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "int32": "int32"}
+
+
+def _validate_tensor(spec: dict, t, where: str, device, require_cuda=True):
+    import torch
+    name = spec["name"]
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    want = getattr(torch, _TORCH_NAMES[spec["dtype"]])
+    if t.dtype != want:
+        raise TypeError(f"{where}: argument '{name}' must be {want}, got {t.dtype}")
+    if t.dim() != spec["rank"]:
+        raise ValueError(f"{where}: argument '{name}' must have rank {spec['rank']}, got shape {tuple(t.shape)}")
+    align = spec["align"]
+    ebytes = DTYPE_BYTES[spec["dtype"]]
+    if t.numel() > 0 and t.data_ptr() % (align * ebytes) != 0:
+        raise ValueError(f"{where}: argument '{name}' data pointer must be {align * ebytes}-byte aligned")
+    shape, stride = list(t.shape), list(t.stride())
+    if any(s > _INT32_MAX for s in shape):
+        raise ValueError(f"{where}: argument '{name}' has an extent over 2**31-1: {tuple(shape)}")
+    if shape[-1] > 1 and stride[-1] != 1:
+        raise ValueError(f"{where}: argument '{name}' must be contiguous in its last dim (stride {stride[-1]})")
+    fixed = []
+    running = 1  # extent in elements of the modes to the right
+    for i in range(len(shape) - 1, -1, -1):
+        s = stride[i]
+        if i < len(shape) - 1:
+            if shape[i] == 1:
+                # a size-1 mode never addresses memory; give it a canonical aligned stride
+                s = -(-running // align) * align
+            if s < 0:
+                raise ValueError(f"{where}: argument '{name}' has a negative stride in dim {i}")
+            if s % align != 0:
+                raise ValueError(f"{where}: argument '{name}' stride {s} of dim {i} must be a "
+                                 f"multiple of {align} elements ({align * ebytes} bytes)")
+        fixed.append(s)
+        running = max(running, s * shape[i])
+    fixed.reverse()
+    if require_cuda and t.device.type != "cuda":
+        raise ValueError(f"{where}: argument '{name}' must be on a CUDA device, got {t.device}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{where}: argument '{name}' is on {t.device}, others on {device}")
+    return shape, fixed
+
+
+class KernelFunction:
+    """One exported variant, callable with torch tensors in ABI order."""
+
+    def __init__(self, meta: dict, object_path: Path, lib: _Lib):
+        self.meta = meta
+        self.abi = meta["abi"]
+        self.prefix = meta["prefix"]
+        self._lib = lib
+        data = object_path.read_bytes()
+        self._module = ctypes.c_void_p()
+        lib.check(lib.lib.CuteDSLRT_Module_Create_From_Bytes(
+            ctypes.byref(self._module), data, len(data), None, 0), f"loading {object_path}")
+        self._fn = ctypes.c_void_p()
+        lib.check(lib.lib.CuteDSLRT_Module_Get_Function(
+            ctypes.byref(self._fn), self._module, self.prefix.encode()), f"finding {self.prefix}")
+
+    def validate(self, *args):
+        return validate_args(self.meta, args)
+
+    def __call__(self, *args, stream=None):
+        import torch
+        dims, device = self.validate(*args)
+        keep = []  # ctypes objects must outlive the call
+        ptrs = []
+        it = iter(zip(args, dims))
+        for spec in self.abi:
+            if spec["kind"] == "stream":
+                s = stream if stream is not None else torch.cuda.current_stream(device).cuda_stream
+                h = ctypes.c_void_p(s)
+                keep.append(h)
+                ptrs.append(ctypes.cast(ctypes.byref(h), ctypes.c_void_p))
+                continue
+            t, (shape, stride) = next(it)
+            st = tensor_struct(spec["rank"])()
+            st.data = t.data_ptr()
+            for i, v in enumerate(shape):
+                st.dynamic_shapes[i] = v
+            for i, v in enumerate(stride[:-1]):
+                st.dynamic_strides[i] = v
+            keep.append(st)
+            ptrs.append(ctypes.cast(ctypes.byref(st), ctypes.c_void_p))
+        ret = ctypes.c_int32(0)
+        ptrs.append(ctypes.cast(ctypes.byref(ret), ctypes.c_void_p))
+        arr = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        with torch.cuda.device(device):
+            self._lib.check(self._lib.lib.CuteDSLRT_Function_Run(self._fn, arr, len(ptrs)),
+                            f"launching {self.prefix}")
+        if ret.value != 0:
+            raise CuteKernRuntimeError(f"launching {self.prefix}: CUDA error {ret.value}")
+
+
+def validate_args(meta: dict, args, require_cuda: bool = True) -> tuple:
+    """Check tensors against a manifest entry's ABI; returns ([(shape, strides)], device)."""
+    where = f"cutekern {meta['op']}[{meta['design']}/{meta['arch']}]"
+    tensor_specs = [s for s in meta["abi"] if s["kind"] == "tensor"]
+    if len(args) != len(tensor_specs):
+        raise TypeError(f"{where}: expected {len(tensor_specs)} tensors "
+                        f"({', '.join(s['name'] for s in tensor_specs)}), got {len(args)}")
+    device = None
+    out = []
+    for spec, t in zip(tensor_specs, args):
+        out.append(_validate_tensor(spec, t, where, device, require_cuda))
+        device = t.device
+    return out, device
+
+
+def _lookup_key(op, design, arch, dtypes, flags) -> tuple:
+    return (op, design, arch, tuple(sorted(dict(dtypes).items())), tuple(sorted(dict(flags).items())))
+
+
+class Manifest:
+    """An export directory: manifest.json plus per-arch objects."""
+
+    def __init__(self, root):
+        self.root = Path(root)
+        path = self.root / "manifest.json"
+        if not path.exists():
+            raise CuteKernRuntimeError(f"no manifest.json in {self.root} (run `cutekern export`)")
+        self.data = json.loads(path.read_text())
+        self.entries = {}
+        for e in self.data["kernels"]:
+            self.entries[_lookup_key(e["op"], e["design"], e["arch"], e["dtypes"], e["flags"])] = e
+        self._loaded: dict = {}
+
+    def has(self, op, design, arch, dtypes, flags) -> bool:
+        return _lookup_key(op, design, arch, dtypes, flags) in self.entries
+
+    def function(self, op, design, arch, dtypes, flags) -> KernelFunction:
+        k = _lookup_key(op, design, arch, dtypes, flags)
+        if k not in self._loaded:
+            if k not in self.entries:
+                raise CuteKernRuntimeError(
+                    f"{self.root}: no exported kernel for op={op} design={design} arch={arch} "
+                    f"dtypes={dict(dtypes)} flags={dict(flags)}")
+            e = self.entries[k]
+            self._loaded[k] = KernelFunction(e, self.root / e["object"], _library(self.root))
+        return self._loaded[k]

@@ -1,0 +1,507 @@
+"""sm_90a fast path of the IKBO LCE batched broadcast GEMM (see kernels/CONTRACT.md).
+
+    c[l] = a @ b[l]  (+ d[idx[l]])          a (M, K) shared, b (L, K, N), c (L, M, N)
+
+The kernel computes the transposed product c[l]^T = b[l]^T @ a^T, so the WGMMA "M" side is
+the problem's N and the WGMMA "N" side is the problem's M. WGMMA M is fixed at 64 per
+warpgroup while WGMMA N can be any multiple of 8 up to 256; putting the odd-sized M
+(433 in the reference shape) on the N side lets the tile follow it closely (2 x 224 = 448
+rows computed instead of 4 x 128 = 512), which removes ~12% of the tensor-core work.
+In that orientation b^T is an MN-major A operand and a^T a K-major B operand, both legal
+for 16-bit WGMMA, and c^T is an M-major output that the TMA store writes directly.
+
+Structure: one producer warp issues TMA loads into an `ab_stages`-deep shared-memory ring
+(mbarrier pipeline); two consumer warpgroups run WGMMA into fp32 registers and do the
+epilogue (optional fp32 addend, convert, registers -> smem -> TMA store). Persistent grid
+with a static scheduler whose raster walks all tiles of one batch entry l back to back, so
+b[l] comes from DRAM once and from L2 for its other tiles.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import cpasync
+
+from cutekern.layout import broadcast_mode
+
+SASS_REQUIRED = ("HGMMA", "UTMALDG", "SYNCS")
+SASS_FORBIDDEN = ("HMMA",)
+
+_SMEM_CAPACITY = 227 * 1024  # sm_90 opt-in maximum per block
+_SMEM_RESERVED = 1024  # mbarriers + alignment slack
+
+
+@dataclass(frozen=True)
+class LceSm90Config:
+    """Compile-time configuration. Tile sizes are named in problem terms.
+
+    tile_n: CTA tile along problem N (the WGMMA M side): 64 per consumer warpgroup.
+    tile_m: CTA tile along problem M (the WGMMA N side): multiple of 8, <= 256.
+    tile_k: K per pipeline stage (64 = one 128-byte swizzle row of 16-bit data).
+    ab_stages: depth of the TMA -> WGMMA shared-memory ring.
+    epi_stages: output staging buffers for the TMA store (>= 2); reduced automatically to
+        what fits next to the ring (fp32 output needs twice the bytes).
+    epi_m: epilogue subtile along problem M.
+    cluster_n: CTAs per cluster along problem N; > 1 multicasts the weight (a) tile, the
+        larger of the two per-stage loads, to CTAs that share it (halves its L2 reads).
+    cluster_m: CTAs per cluster along problem M; > 1 multicasts the b tile.
+    num_ctas: persistent grid size cap (132 SMs on H100 SXM / H200).
+    """
+
+    tile_n: int = 128
+    tile_m: int = 224
+    tile_k: int = 64
+    ab_stages: int = 4
+    epi_stages: int = 4
+    epi_m: int = 32
+    cluster_n: int = 2
+    cluster_m: int = 1
+    num_ctas: int = 132
+
+
+def _ab_stage_bytes(cfg: LceSm90Config, ab_dtype) -> int:
+    return (cfg.tile_n + cfg.tile_m) * cfg.tile_k * ab_dtype.width // 8
+
+
+def _epi_stage_bytes(cfg: LceSm90Config, c_dtype) -> int:
+    return cfg.tile_n * cfg.epi_m * c_dtype.width // 8
+
+
+def _fit_epi_stages(cfg: LceSm90Config, ab_dtype, c_dtype) -> int:
+    left = _SMEM_CAPACITY - _SMEM_RESERVED - cfg.ab_stages * _ab_stage_bytes(cfg, ab_dtype)
+    # 1024-byte alignment padding for each of the three buffers
+    left -= 3 * 1024
+    return max(0, min(cfg.epi_stages, left // _epi_stage_bytes(cfg, c_dtype)))
+
+
+def _mma_regs(num_mma_wg: int) -> int:
+    # register file is 64K per SM; the producer warpgroup keeps 40 per thread
+    return min(232, (65536 - 128 * 40) // (128 * num_mma_wg) // 8 * 8)
+
+
+class LceGemmSm90:
+    num_threads_per_wg = 128
+
+    def __init__(self, ab_dtype, c_dtype, has_addend: bool,
+                 config: LceSm90Config = LceSm90Config()):
+        if not LceGemmSm90.can_implement(ab_dtype, c_dtype, has_addend, config):
+            raise ValueError(f"LceGemmSm90 cannot run {ab_dtype}/{c_dtype} with {config}")
+        self.ab_dtype = ab_dtype
+        self.c_dtype = c_dtype
+        self.acc_dtype = cutlass.Float32
+        self.has_addend = bool(has_addend)
+        self.cfg = config
+
+        # WGMMA-side tile (M', N', K) = (problem N, problem M, K)
+        self.cta_tile = (config.tile_n, config.tile_m, config.tile_k)
+        self.num_mma_wg = config.tile_n // 64
+        self.threads_per_cta = (1 + self.num_mma_wg) * self.num_threads_per_wg
+        self.num_mma_threads = self.num_mma_wg * self.num_threads_per_wg
+        # WGMMA-side cluster (M', N') = (problem N, problem M)
+        self.cluster_shape_mn = (config.cluster_n, config.cluster_m)
+        self.cluster_size = config.cluster_n * config.cluster_m
+        self.ab_stages = config.ab_stages
+        self.epi_stages = _fit_epi_stages(config, ab_dtype, c_dtype)
+        self.epi_tile = (config.tile_n, config.epi_m)
+        self.load_warp_id = 0
+        self.epi_store_warp_id = 4  # first warp of the first consumer warpgroup
+        # producer WG gives registers to the consumers (128 x 40 + 256 x 232 <= 64K)
+        self.load_regs = 40
+        self.mma_regs = _mma_regs(self.num_mma_wg)
+        self.buffer_align_bytes = 1024
+
+    @staticmethod
+    def can_implement(ab_dtype, c_dtype, has_addend, config: LceSm90Config) -> bool:
+        if ab_dtype not in (cutlass.Float16, cutlass.BFloat16):
+            return False
+        if c_dtype not in (ab_dtype, cutlass.Float32):
+            return False
+        cfg = config
+        # 128 = two consumer warpgroups, the only shape whose epilogue fragment order
+        # was checked (accumulator chunk e == epilogue subtile e)
+        if cfg.tile_n != 128:
+            return False
+        if cfg.tile_m % 8 != 0 or not 8 <= cfg.tile_m <= 256:
+            return False
+        if cfg.tile_k != 64:
+            return False
+        if cfg.epi_m % 8 != 0 or cfg.tile_m % cfg.epi_m != 0:
+            return False
+        if cfg.ab_stages < 2 or cfg.epi_stages < 2:
+            return False
+        if cfg.cluster_m not in (1, 2, 4) or cfg.cluster_n not in (1, 2, 4):
+            return False
+        csize = cfg.cluster_m * cfg.cluster_n
+        if csize > 4 or cfg.num_ctas < csize:
+            return False
+        # accumulator registers per consumer thread: tile_m / 2 (plus ~60 for the rest)
+        if cfg.tile_m // 2 + 64 > _mma_regs(cfg.tile_n // 64):
+            return False
+        # each CTA loads a 1/cluster slice of a multicast tile: keep whole swizzle atoms
+        # (64 N-elements of the MN-major b tile, 8 M-rows of the K-major a tile)
+        if cfg.tile_n % (64 * cfg.cluster_m) != 0 or cfg.tile_m % (8 * cfg.cluster_n) != 0:
+            return False
+        # the one-barrier-per-subtile store scheme needs two output buffers
+        if _fit_epi_stages(cfg, ab_dtype, c_dtype) < 2:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, d: cute.Tensor,
+                 idx: cute.Tensor, stream: cuda.CUstream):
+        M = a.shape[0]
+        L = b.shape[0]
+        K = b.shape[1]
+        N = b.shape[2]
+
+        # WGMMA A operand: b[l]^T, (N, K, L), N contiguous (MN-major)
+        mA = cute.make_tensor(
+            b.iterator, cute.make_layout((N, K, L), stride=(1, b.stride[1], b.stride[0])))
+        # WGMMA B operand: a^T seen as (M, K, L) K-major with a stride-0 batch mode. Its K
+        # extent is b's K, so TMA zero-fills past K whatever a's padding holds.
+        a_mk = cute.make_tensor(a.iterator, cute.make_layout((M, K), stride=(a.stride[0], 1)))
+        mB = broadcast_mode(a_mk, L)
+        # output c[l]^T: (N, M, L), N contiguous (M-major in WGMMA terms)
+        mC = cute.make_tensor(
+            c.iterator, cute.make_layout((N, M, L), stride=(1, c.stride[1], c.stride[0])))
+        # addend d[u]^T: (N, M, U)
+        mD = cute.make_tensor(
+            d.iterator,
+            cute.make_layout((N, M, d.shape[0]), stride=(1, d.stride[1], d.stride[0])))
+
+        a_layout = utils.LayoutEnum.COL_MAJOR  # MN-major A
+        b_layout = utils.LayoutEnum.ROW_MAJOR  # K-major B
+        c_layout = utils.LayoutEnum.COL_MAJOR  # M-major C
+        self.c_layout = c_layout
+
+        bm, bn, bk = self.cta_tile
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype,
+            OperandMajorMode.MN, OperandMajorMode.K,
+            self.acc_dtype, (self.num_mma_wg, 1, 1), tiler_mn=(64, bn))
+
+        a_atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(a_layout, self.ab_dtype, bm), self.ab_dtype)
+        a_smem_staged = cute.tile_to_shape(a_atom, (bm, bk, self.ab_stages), order=(1, 0, 2))
+        b_atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(b_layout, self.ab_dtype, bk), self.ab_dtype)
+        b_smem_staged = cute.tile_to_shape(b_atom, (bn, bk, self.ab_stages), order=(0, 1, 2))
+        epi_smem_staged = sm90_utils.make_smem_layout_epi(
+            self.c_dtype, c_layout, self.epi_tile, self.epi_stages)
+
+        a_smem = cute.slice_(a_smem_staged, (None, None, 0))
+        b_smem = cute.slice_(b_smem_staged, (None, None, 0))
+        # A (b tile) is shared by the CTAs along cluster mode 1, B (a tile) along mode 0
+        mc_a = self.cluster_shape_mn[1]
+        mc_b = self.cluster_shape_mn[0]
+        tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp() if mc_a == 1
+            else cpasync.CopyBulkTensorTileG2SMulticastOp(),
+            mA, a_smem, (bm, bk), num_multicast=mc_a)
+        tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp() if mc_b == 1
+            else cpasync.CopyBulkTensorTileG2SMulticastOp(),
+            mB, b_smem, (bn, bk), num_multicast=mc_b)
+        tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mC,
+            cute.slice_(epi_smem_staged, (None, None, 0)), self.epi_tile)
+
+        tma_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + \
+            cute.size_in_bytes(self.ab_dtype, b_smem)
+
+        # tiles over (N', M', L) = (problem N, problem M, L); N' fastest, then M', then l,
+        # so the few tiles of one batch entry run together and share b[l] through L2.
+        ntiles = (cute.ceil_div(N, bm), cute.ceil_div(M, bn), L)
+        sched_params = utils.PersistentTileSchedulerParams(
+            ntiles, (*self.cluster_shape_mn, 1), 1, True)
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(
+            sched_params, self.cfg.num_ctas // self.cluster_size)
+
+        @cute.struct
+        class SharedStorage:
+            ab_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)],
+                self.buffer_align_bytes]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)],
+                self.buffer_align_bytes]
+            sC: cute.struct.Align[
+                cute.struct.MemRange[self.c_dtype, cute.cosize(epi_smem_staged)],
+                self.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+
+        self.kernel(
+            tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c,
+            mD, idx, tiled_mma,
+            a_smem_staged, b_smem_staged, epi_smem_staged, tma_bytes, sched_params,
+        ).launch(
+            grid=grid,
+            block=[self.threads_per_cta, 1, 1],
+            cluster=(*self.cluster_shape_mn, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device side
+    @cute.jit
+    def _load_addend(self, thr_copy_r2s, cC_t, gD, extent_nm, ecrd, dst):
+        """dst[v] = d value for register v of epilogue subtile ecrd (0 outside M x N).
+        partition_S, not partition_D: the register side of the r2s copy holds the
+        accumulator fragment's elements (stmatrix redistributes them on the way)."""
+        crds = thr_copy_r2s.partition_S(cute.local_tile(cC_t, self.epi_tile, ecrd))
+        for v in cutlass.range_constexpr(cute.size(dst)):
+            dst[v] = cutlass.Float32(0.0)
+            crd = crds[v]
+            if cute.elem_less(crd, extent_nm):
+                dst[v] = gD[crd]
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_atom_c: cute.CopyAtom,
+        mC: cute.Tensor,
+        mD: cute.Tensor,
+        idx: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        epi_smem_staged: cute.ComposedLayout,
+        tma_bytes: cutlass.Constexpr,
+        sched_params: utils.PersistentTileSchedulerParams,
+    ):
+        bm, bn, bk = self.cta_tile
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+
+        if warp_idx == self.load_warp_id:
+            cpasync.prefetch_descriptor(tma_atom_a)
+            cpasync.prefetch_descriptor(tma_atom_b)
+            cpasync.prefetch_descriptor(tma_atom_c)
+
+        cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+        mc_a = self.cluster_shape_mn[1]
+        mc_b = self.cluster_shape_mn[0]
+        a_mcast_mask = 0
+        b_mcast_mask = 0
+        if cutlass.const_expr(mc_a > 1):
+            a_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
+        if cutlass.const_expr(mc_b > 1):
+            b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        # full barrier: 1 producer arrive + tx bytes; empty barrier: one arrive per consumer
+        # warp from each CTA the stage was multicast into
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_mbar.data_ptr(),
+            num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, (mc_a + mc_b - 1) * self.num_mma_wg * 4),
+            tx_count=tma_bytes,
+            cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+
+        # (bm, bk, RestN', RestK, L) and (bn, bk, RestM', RestK, L)
+        gA = cute.local_tile(mA, (bm, bk), (None, None, None))
+        gB = cute.local_tile(mB, (bn, bk), (None, None, None))
+        # (bm, bn, RestN', RestM', L)
+        gC = cute.local_tile(mC, (bm, bn), (None, None, None))
+
+        # A is split across the cluster's CTAs along M' and multicast to all of them
+        a_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape)
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_atom_a, cluster_coord[1], a_cta_layout,
+            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        b_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape)
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_atom_b, cluster_coord[0], b_cta_layout,
+            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // self.num_threads_per_wg)
+        mma_thr_layout = cute.make_layout(self.num_mma_wg, stride=self.num_threads_per_wg)
+        thr_mma = tiled_mma.get_slice(mma_thr_layout(wg_idx - 1))
+        tCsA = thr_mma.partition_A(sA)
+        tCsB = thr_mma.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        tCgC = thr_mma.partition_C(gC)
+        acc = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
+
+        k_tile_cnt = cute.size(gA, mode=[3])
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
+
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+
+        # ------------------------------------------------------------ producer warp
+        if warp_idx == self.load_warp_id:
+            sched = utils.StaticPersistentTileScheduler.create(
+                sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            prod_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.ab_stages)
+            while work.is_valid_tile:
+                tc = work.tile_idx
+                tAgA_t = tAgA[(None, tc[0], None, tc[2])]
+                tBgB_t = tBgB[(None, tc[1], None, tc[2])]
+                # count = k-tile index within this tile; index/phase keep running
+                prod_state.reset_count()
+                for _k in range(k_tile_cnt):
+                    ab_pipeline.producer_acquire(prod_state)
+                    bar = ab_pipeline.producer_get_barrier(prod_state)
+                    cute.copy(tma_atom_a, tAgA_t[(None, prod_state.count)],
+                              tAsA[(None, prod_state.index)],
+                              tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
+                    cute.copy(tma_atom_b, tBgB_t[(None, prod_state.count)],
+                              tBsB[(None, prod_state.index)],
+                              tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+                    ab_pipeline.producer_commit(prod_state)
+                    prod_state.advance()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            # keep the CTA alive until consumers released every stage (multicast peers
+            # may still be writing into our smem otherwise)
+            ab_pipeline.producer_tail(prod_state)
+
+        # ------------------------------------------------------- consumer warpgroups
+        if wg_idx > 0:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            mma_tidx = tidx - self.num_threads_per_wg
+            sched = utils.StaticPersistentTileScheduler.create(
+                sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            read_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.ab_stages)
+            release_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.ab_stages)
+            num_k_blocks = cute.size(tCrA, mode=[2])
+
+            # registers -> smem copy shaped like the accumulator fragment
+            copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
+                self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
+            copy_atom_c = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4),
+                self.c_dtype)
+            tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
+            tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
+            thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+            tRS_sC = thr_copy_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, PIPE)
+            tRS_rAcc = tiled_copy_r2s.retile(acc)
+            rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))[:3]
+            tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+            tRS_rOut = cute.make_rmem_tensor(rD_shape, self.c_dtype)
+            size_rD = cute.size(tRS_rD)
+
+            epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+
+            # coordinates (n, m) of every output element, for the addend's predicate
+            cC = cute.make_identity_tensor((mC.shape[0], mC.shape[1]))
+            gcC = cute.local_tile(cC, (bm, bn), (None, None))
+            extent_nm = (mC.shape[0], mC.shape[1])
+            # epilogue subtiles, in the order the accumulator fragment holds them
+            # (row-major over (1, tile_m / epi_m): a subtile spans the whole tile_n)
+            epi_grid = (bm // self.epi_tile[0], bn // self.epi_tile[1])
+            epi_num = epi_grid[0] * epi_grid[1]
+            epi_order = cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
+            # double-buffered addend fragments (same element order as tRS_rD)
+            rAdd = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in range(2)]
+
+            while work.is_valid_tile:
+                tc = work.tile_idx
+                # addend rows of this batch entry; idx is read before the mainloop so its
+                # latency hides behind it
+                cC_t = gcC[(None, None, tc[0], tc[1])]
+                gD = mD[(None, None, 0)]
+                if cutlass.const_expr(self.has_addend):
+                    gD = mD[(None, None, idx[tc[2]])]
+                # WGMMA of k-tile j overlaps the wait for k-tile j+1; the stage of k-tile
+                # j-1 is released once its WGMMA has retired.
+                read_state.reset_count()
+                release_state.reset_count()
+                acc.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                for k_tile in range(k_tile_cnt):
+                    ab_pipeline.consumer_wait(read_state)
+                    for kb in cutlass.range_constexpr(num_k_blocks):
+                        kc = (None, None, kb, read_state.index)
+                        cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
+                    if k_tile > 0:
+                        ab_pipeline.consumer_release(release_state)
+                        release_state.advance()
+                    read_state.advance()
+                if cutlass.const_expr(self.has_addend):
+                    # first addend subtile loads overlap the last WGMMA
+                    self._load_addend(thr_copy_r2s, cC_t, gD, extent_nm,
+                                      epi_order.get_hier_coord(0), rAdd[0])
+                warpgroup.wait_group(0)
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+
+                # ---------------------------------------------------------- epilogue
+                gC_t = gC[(None, None, tc[0], tc[1], tc[2])]
+                gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
+                bSG_sC, bSG_gC = cpasync.tma_partition(
+                    tma_atom_c, 0, cute.make_layout(1),
+                    cute.group_modes(sC, 0, 2), gC_epi)
+                prev = sched.num_tiles_executed * epi_num
+                for e in cutlass.range_constexpr(epi_num):
+                    for v in cutlass.range_constexpr(size_rD):
+                        tRS_rD[v] = tRS_rAcc[e * size_rD + v]
+                    ecrd = epi_order.get_hier_coord(e)
+                    if cutlass.const_expr(self.has_addend):
+                        # loads for the next subtile fly while this one is stored
+                        if cutlass.const_expr(e + 1 < epi_num):
+                            self._load_addend(thr_copy_r2s, cC_t, gD, extent_nm,
+                                              epi_order.get_hier_coord(e + 1),
+                                              rAdd[(e + 1) % 2])
+                        for v in cutlass.range_constexpr(size_rD):
+                            tRS_rD[v] = tRS_rD[v] + rAdd[e % 2][v]
+                    tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
+                    buf = (prev + e) % self.epi_stages
+                    # buffer buf was last read by the store issued epi_stages subtiles ago;
+                    # the store warp waited for it before the previous barrier (below)
+                    cute.copy(tiled_copy_r2s, tRS_rOut, tRS_sC[(None, None, None, buf)])
+                    # make the generic-proxy smem writes visible to the TMA (async proxy)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    epi_bar.arrive_and_wait()
+                    if warp_idx == self.epi_store_warp_id:
+                        cute.copy(tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, ecrd)])
+                        cute.arch.cp_async_bulk_commit_group()
+                        # one barrier per subtile: leave at most epi_stages - 2 stores
+                        # reading smem, so the buffer written after the NEXT barrier is free
+                        cute.arch.cp_async_bulk_wait_group(self.epi_stages - 2, read=True)
+
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+
+            if warp_idx == self.epi_store_warp_id:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)

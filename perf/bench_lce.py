@@ -1,0 +1,101 @@
+"""IKBO Linear Compression benchmark on one GPU: cutekern (sm90 and Ada designs) against the
+routes a user would otherwise take, all timed in the same run with a cold L2.
+
+useful TFLOP/s = 2*M*N*(B*K_cand + U*K_user) / t
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import measured_ceilings, time_ms, write_results  # noqa: E402
+
+from cutekern.arch import DESIGNS_FOR_ARCH, target_arch  # noqa: E402
+from cutekern.ikbo import LinearCompression  # noqa: E402
+from cutekern.reference import (lce_broadcast_bmm, lce_decomposed,  # noqa: E402
+                                lce_decomposed_padded, pad_k)
+
+M, N, K_USER, K_CAND = 433, 256, 1178, 866
+
+
+def problem(b, ratio, dtype, seed=0):
+    torch.manual_seed(seed)
+    u = -(-b // ratio)
+    counts = torch.full((u,), ratio)
+    counts[-1] = b - ratio * (u - 1)
+    c2u = torch.repeat_interleave(torch.arange(u), counts).to(torch.int32).cuda()
+    mk = lambda *s, scale=1.0: (torch.randn(*s, device="cuda") * scale).to(dtype)
+    return (mk(M, K_CAND, scale=K_CAND ** -0.5), mk(M, K_USER, scale=K_USER ** -0.5),
+            mk(b, K_CAND, N), mk(u, K_USER, N), c2u)
+
+
+def run_case(name, b, ratio, dtype, designs, reps):
+    w_cand, w_user, e_cand, e_user, c2u = problem(b, ratio, dtype)
+    u = e_user.shape[0]
+    flops = 2 * M * N * (b * K_CAND + u * K_USER)
+    wc_p, wu_p = pad_k(w_cand), pad_k(w_user)
+    lce = LinearCompression(w_cand, w_user)
+    out = torch.empty(b, M, N, dtype=dtype, device="cuda")
+    ref = lce_decomposed_padded(wc_p, wu_p, e_cand, e_user, c2u).float()
+    routes = {
+        "broadcast_bmm": lambda: lce_broadcast_bmm(w_cand, w_user, e_cand, e_user, c2u),
+        "decomposed": lambda: lce_decomposed(w_cand, w_user, e_cand, e_user, c2u),
+        "decomposed_padded": lambda: lce_decomposed_padded(wc_p, wu_p, e_cand, e_user, c2u),
+    }
+    timings, errors = {}, {}
+    for r, fn in routes.items():
+        timings[r] = time_ms(fn, reps=reps)
+    for d in designs:
+        os.environ["CUTEKERN_DESIGN"] = d
+        fn = lambda: lce(e_cand, e_user, c2u, out=out, check_indices=False)
+        out.fill_(float("nan"))
+        fn()
+        torch.cuda.synchronize()
+        errors[f"cutekern_{d}"] = float(((out.float() - ref).norm() / ref.norm()).item())
+        timings[f"cutekern_{d}"] = time_ms(fn, reps=reps)
+    os.environ.pop("CUTEKERN_DESIGN", None)
+    tflops = {k: flops / t / 1e9 for k, t in timings.items()}
+    ratios = {f"{k}_vs_{base}": timings[base] / timings[k]
+              for k in timings if k.startswith("cutekern")
+              for base in routes}
+    return {"name": name, "shape": {"B": b, "ratio": ratio, "U": u, "M": M, "N": N,
+                                     "K_cand": K_CAND, "K_user": K_USER, "dtype": str(dtype).split(".")[-1]},
+            "timings_ms": timings, "tflops": tflops, "speedup": ratios,
+            "rel_err_vs_decomposed_padded": errors}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    designs = [d for d in ("sm90", "ada") if d in DESIGNS_FOR_ARCH[target_arch()]]
+    ceil = measured_ceilings()
+    cases = [run_case("reference", 1024, 70, torch.float16, designs, args.reps)]
+    sweep_b = [1024, 3072] if args.quick else [512, 1024, 2048, 3072]
+    sweep_r = [2, 1000] if args.quick else [2, 5, 10, 50, 100, 1000]
+    for b in sweep_b:
+        for r in sweep_r:
+            cases.append(run_case(f"sweep_B{b}_r{r}", b, r, torch.float16, designs, args.reps))
+    cases.append(run_case("reference_bf16", 1024, 70, torch.bfloat16, designs, args.reps))
+    for c in cases:
+        c["fraction_of_matmul_ceiling"] = {k: v / ceil["matmul_fp16_tflops"] for k, v in c["tflops"].items()}
+    path = write_results("lce", cases, args.out, {"ceilings": ceil, "designs": designs})
+    cols = ["broadcast_bmm", "decomposed", "decomposed_padded"] + [f"cutekern_{d}" for d in designs]
+    print(f"ceilings: {ceil}")
+    print(f"{'case':22s} " + " ".join(f"{c[:18]:>18s}" for c in cols) + "   (ms; TFLOP/s)")
+    for c in cases:
+        print(f"{c['name']:22s} " + " ".join(
+            f"{c['timings_ms'][k]:8.3f} {c['tflops'][k]:6.0f}TF" for k in cols))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Timing and results helpers shared by the benchmarks (GPU only)."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+_FLUSH = None
+
+
+def flush_l2():
+    """Overwrite a buffer larger than the L2 (60 MB on an H200) so every run starts cold."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    _FLUSH.zero_()
+
+
+def time_ms(fn, reps=20, warmup=3) -> float:
+    """Median device time of fn() over reps cold-L2 runs, with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        flush_l2()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def measured_ceilings() -> dict:
+    """Dense fp16 matmul rate and device copy bandwidth, measured now on this GPU."""
+    n = 8192
+    x = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    y = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    t = time_ms(lambda: torch.mm(x, y), reps=10)
+    src = torch.randn(2**30 // 4, device="cuda")
+    dst = torch.empty_like(src)
+    tc = time_ms(lambda: dst.copy_(src), reps=10)
+    return {"matmul_fp16_tflops": 2 * n**3 / t / 1e9, "copy_gbps": 2 * src.numel() * 4 / tc / 1e6}
+
+
+def git_commit() -> str:
+    env = os.environ.get("CUTEKERN_GIT_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        bundle = os.environ.get("CUTEKERN_ARTIFACTS")
+        p = Path(bundle) / "COMMIT" if bundle else None
+        return p.read_text().strip() if p and p.exists() else "unknown"
+
+
+def write_results(op: str, cases: list, out_dir, extra: dict | None = None) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    doc = {
+        "op": op, "device": props.name, "sm_count": props.multi_processor_count,
+        "driver": torch.version.cuda, "torch": torch.__version__, "git_commit": git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **(extra or {}), "cases": cases,
+    }
+    path = out / f"{op}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    return path

@@ -1,0 +1,80 @@
+"""perf/results/*.json -> the README performance table (between markers) and PNG plots."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "perf" / "results"
+BEGIN, END = "<!-- perf-table:begin -->", "<!-- perf-table:end -->"
+
+
+def lce_table(doc: dict) -> str:
+    designs = doc.get("designs", [])
+    cols = ["broadcast_bmm", "decomposed", "decomposed_padded"] + [f"cutekern_{d}" for d in designs]
+    lines = [f"**IKBO LCE** on {doc['device']} (commit `{doc['git_commit'][:10]}`, {doc['date'][:10]}, "
+             f"torch {doc['torch']}; measured fp16 matmul ceiling "
+             f"{doc['ceilings']['matmul_fp16_tflops']:.0f} TFLOP/s). Time in ms (useful TFLOP/s).",
+             "",
+             "| case | B | ratio | " + " | ".join(cols) + " | best cutekern vs padded decomposed |",
+             "|---|---|---|" + "---|" * len(cols) + "---|"]
+    for c in doc["cases"]:
+        best = min((c["timings_ms"][f"cutekern_{d}"] for d in designs), default=None)
+        sp = c["timings_ms"]["decomposed_padded"] / best if best else float("nan")
+        lines.append(f"| {c['name']} | {c['shape']['B']} | {c['shape']['ratio']} | " + " | ".join(
+            f"{c['timings_ms'][k]:.3f} ({c['tflops'][k]:.0f})" for k in cols) + f" | {sp:.2f}x |")
+    return "\n".join(lines)
+
+
+def plot_lce(doc: dict, path: Path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    cases = [c for c in doc["cases"] if c["name"].startswith("sweep")]
+    keys = list(cases[0]["tflops"].keys()) if cases else []
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    x = range(len(cases))
+    for k in keys:
+        ax.plot(x, [c["tflops"][k] for c in cases], marker="o", label=k)
+    ax.set_xticks(list(x), [f"B{c['shape']['B']}\nr{c['shape']['ratio']}" for c in cases], fontsize=7)
+    ax.set_ylabel("useful TFLOP/s")
+    ax.set_title(f"IKBO LCE sweep on {doc['device']}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+TABLES = {"lce": (lce_table, plot_lce)}
+
+
+def main() -> int:
+    parts = []
+    for op, (table, plot) in TABLES.items():
+        f = RESULTS / f"{op}.json"
+        if not f.exists():
+            continue
+        doc = json.loads(f.read_text())
+        parts.append(table(doc))
+        plot(doc, RESULTS / f"{op}.png")
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    if BEGIN not in text:
+        print("README has no perf-table markers", file=sys.stderr)
+        return 1
+    body = "\n\n".join(parts) if parts else "_No GPU results committed yet._"
+    pre, rest = text.split(BEGIN, 1)
+    _, post = rest.split(END, 1)
+    readme.write_text(f"{pre}{BEGIN}\n{body}\n{END}{post}")
+    print("README performance table updated")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    collect_ignore_glob = ["test_*.py"]
+
+
+def designs_here():
+    """Designs that can run on this GPU (sm_90a runs both the sm90 and the Ada design)."""
+    from cutekern.arch import DESIGNS_FOR_ARCH, target_arch
+    return DESIGNS_FOR_ARCH[target_arch()]
+
+
+@pytest.fixture(params=["sm90", "ada"])
+def design(request, monkeypatch):
+    if request.param not in designs_here():
+        pytest.skip(f"{request.param} design does not run on this GPU")
+    monkeypatch.setenv("CUTEKERN_DESIGN", request.param)
+    return request.param

@@ -1,0 +1,133 @@
+"""IKBO LCE on the GPU against the float64 reference: fresh random inputs, poisoned outputs,
+every element compared, ragged and edge shapes, and a hypothesis fuzz over shapes."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from cutekern.ikbo import LinearCompression, linear_compression
+from cutekern.reference import lce_reference
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def make_problem(counts, m, n, kc, ku, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    u = len(counts)
+    c2u = torch.repeat_interleave(torch.arange(u, device="cuda", dtype=torch.int32),
+                                  torch.tensor(counts, device="cuda")).to(torch.int32)
+    b = c2u.numel()
+    # scaled so outputs are O(1) whatever K is
+    w_cand = (torch.randn(m, kc, device="cuda", generator=g) / kc ** 0.5).to(dtype)
+    w_user = (torch.randn(m, ku, device="cuda", generator=g) / ku ** 0.5).to(dtype)
+    e_cand = torch.randn(b, kc, n, device="cuda", generator=g).to(dtype)
+    e_user = torch.randn(u, ku, n, device="cuda", generator=g).to(dtype)
+    return w_cand, w_user, e_cand, e_user, c2u
+
+
+def check(out, args, dtype):
+    ref = lce_reference(*args)
+    assert out.shape == ref.shape and out.dtype == dtype
+    o = out.double()
+    assert torch.isfinite(o).all(), f"non-finite outputs: {(~torch.isfinite(o)).sum().item()}"
+    # fp32 accumulation, one rounding to the output dtype: half an ulp of |ref| plus slack
+    eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+    err = (o - ref).abs()
+    bound = 2 * eps * ref.abs() + 1e-3
+    bad = err > bound
+    assert not bad.any(), (f"{bad.sum().item()} / {bad.numel()} elements off; max err "
+                           f"{err.max().item():.3g} at {tuple(torch.nonzero(bad)[0].tolist())}")
+    rel = (o - ref).norm() / ref.norm().clamp_min(1e-30)
+    assert rel < 4 * eps, rel
+
+
+def run_poisoned(args, dtype):
+    w_cand, w_user, e_cand, e_user, c2u = args
+    lce = LinearCompression(w_cand, w_user)
+    out = torch.full((e_cand.shape[0], w_cand.shape[0], e_cand.shape[2]), float("nan"),
+                     dtype=dtype, device="cuda")
+    lce(e_cand, e_user, c2u, out=out)
+    torch.cuda.synchronize()
+    return out
+
+
+def counts_for(b, ratio):
+    u = -(-b // ratio)
+    counts = [ratio] * u
+    counts[-1] = b - ratio * (u - 1)
+    return counts
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_shape(design, dtype):
+    # M=433, N=256, K_user=1178, K_cand=866, B=1024, 70 candidates per user
+    args = make_problem(counts_for(1024, 70), 433, 256, 866, 1178, dtype, seed=1)
+    check(run_poisoned(args, dtype), args, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("counts,m,n,kc,ku", [
+    ([1], 1, 8, 1, 1),                    # one user, one candidate, minimal sizes
+    ([1], 433, 256, 866, 1178),           # one candidate at the reference dims
+    ([3, 0, 2, 0, 0, 1], 7, 24, 13, 9),   # users with 0 candidates
+    ([0, 5], 129, 264, 65, 7),            # first user empty; M, N, K off tile multiples
+    ([1000], 64, 128, 64, 64),            # ratio 1000, one user
+    ([1] * 37, 200, 136, 300, 17),        # ratio 1
+    ([2, 1, 4, 3, 0, 7], 257, 512, 129, 250),
+])
+def test_edge_shapes(design, dtype, counts, m, n, kc, ku):
+    args = make_problem(counts, m, n, kc, ku, dtype, seed=sum(counts) + m + n)
+    check(run_poisoned(args, dtype), args, dtype)
+
+
+def test_one_shot_api_and_new_output(design):
+    args = make_problem([2, 3], 33, 64, 40, 24, torch.float16, seed=7)
+    out = linear_compression(*args)
+    torch.cuda.synchronize()
+    check(out, args, torch.float16)
+
+
+def test_bad_indices_raise(design):
+    args = list(make_problem([2, 2], 16, 16, 16, 16, torch.float16, seed=3))
+    args[4] = torch.tensor([0, 2, 1, 1], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="'cand_to_user' has values outside"):
+        linear_compression(*args)
+    args[4] = torch.tensor([1, 0, 1, 1], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="'cand_to_user' must be non-decreasing"):
+        linear_compression(*args)
+
+
+def test_cuda_graph_and_compile(design):
+    args = make_problem([3, 1, 4], 40, 32, 30, 20, torch.bfloat16, seed=11)
+    lce = LinearCompression(args[0], args[1])
+    out = torch.empty(8, 40, 32, dtype=torch.bfloat16, device="cuda")
+    lce(*args[2:], out=out)  # warm-up loads the kernels
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        lce(*args[2:], out=out, check_indices=False)
+    fresh = make_problem([3, 1, 4], 40, 32, 30, 20, torch.bfloat16, seed=12)
+    for dst, src in zip(args[2:], fresh[2:]):
+        dst.copy_(src)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    check(out, (args[0], args[1], *args[2:]), torch.bfloat16)
+    f = torch.compile(lambda a, b, c: lce(a, b, c), fullgraph=False)
+    check(f(*args[2:]), (args[0], args[1], *args[2:]), torch.bfloat16)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzz(design, data):
+    dtype = data.draw(st.sampled_from(DTYPES))
+    ratio = data.draw(st.sampled_from([1, 2, 5, 70, 1000, None]))  # None: ragged counts
+    if ratio is None:
+        counts = data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=24).filter(lambda c: sum(c) > 0))
+    else:
+        counts = counts_for(data.draw(st.integers(1, 1100 if ratio == 1000 else 300)), ratio)
+    m = data.draw(st.integers(1, 300))
+    n = 8 * data.draw(st.integers(1, 48))
+    kc = data.draw(st.integers(1, 1200))
+    ku = data.draw(st.integers(1, 1200))
+    args = make_problem(counts, m, n, kc, ku, dtype, seed=data.draw(st.integers(0, 2**31 - 1)))
+    check(run_poisoned(args, dtype), args, dtype)

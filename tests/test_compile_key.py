@@ -1,0 +1,111 @@
+"""The compile-cache key covers every codegen argument; the disk cache is atomic."""
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+
+import pytest
+
+from cutekern.registry import OPS, KernelKey, all_keys
+from conftest import dsl_installed
+
+BASE = KernelKey("lce_gemm", "sm90", "sm_90a", (("ab", "float16"), ("c", "float16")),
+                 (("has_addend", True),), (("tile_m", 128), ("tile_n", 256), ("stages", 4)))
+
+
+def _variants():
+    yield dataclasses.replace(BASE, op="other")
+    yield dataclasses.replace(BASE, design="ada")
+    yield dataclasses.replace(BASE, arch="sm_100a")
+    yield dataclasses.replace(BASE, dtypes=(("ab", "bfloat16"), ("c", "float16")))
+    yield dataclasses.replace(BASE, dtypes=(("ab", "float16"), ("c", "float32")))
+    yield dataclasses.replace(BASE, flags=(("has_addend", False),))
+    for i, (k, v) in enumerate(BASE.config):
+        cfg = list(BASE.config)
+        cfg[i] = (k, v * 2)
+        yield dataclasses.replace(BASE, config=tuple(cfg))
+
+
+def test_key_changes_with_every_codegen_argument():
+    seen = {BASE.digest}
+    for v in _variants():
+        assert v.digest not in seen, v
+        assert v.prefix != BASE.prefix
+        seen.add(v.digest)
+    assert dataclasses.replace(BASE).digest == BASE.digest  # and is deterministic
+
+
+def test_prefix_is_a_c_identifier():
+    assert BASE.prefix.replace("_", "").isalnum()
+
+
+def test_registry_covers_every_arch():
+    keys = all_keys(("sm_80", "sm_89", "sm_90a", "sm_100a", "sm_103a"), with_config=False)
+    designs = {(k.arch, k.design) for k in keys}
+    assert designs == {("sm_80", "ada"), ("sm_89", "ada"), ("sm_90a", "sm90"), ("sm_90a", "ada"),
+                       ("sm_100a", "sm100"), ("sm_103a", "sm100")}
+    assert len(keys) == 6 * len(OPS["lce_gemm"].variants)
+
+
+needs_dsl = pytest.mark.skipif(not dsl_installed(), reason="needs nvidia-cutlass-dsl")
+
+
+@needs_dsl
+def test_config_in_key_comes_from_the_design(session_cache):
+    keys = all_keys(("sm_90a",))
+    assert all(k.config for k in keys)
+
+
+@needs_dsl
+def test_source_hash_covers_dsl_version_and_source(session_cache, tmp_path, monkeypatch):
+    from cutekern import compile as ck
+    key = all_keys(("sm_80",))[0]
+    d = ck.entry_dir(key)
+    assert f"dsl-{ck.dsl_version()}" in str(d) and ck.source_hash(key.op, key.design) in d.name
+    ck.source_hash.cache_clear()
+    h1 = ck.source_hash(key.op, key.design)
+    # an edited shared source file must give a new hash
+    src = ck._PKG_ROOT / "layout.py"
+    text = src.read_text()
+    try:
+        src.write_text(text + "\n# edit\n")
+        ck.source_hash.cache_clear()
+        assert ck.source_hash(key.op, key.design) != h1
+    finally:
+        src.write_text(text)
+        ck.source_hash.cache_clear()
+
+
+def _build_in_child(cache, arch_key_json, q):
+    os.environ["CUTEKERN_CACHE_DIR"] = cache
+    from cutekern import compile as ck
+    k = json.loads(arch_key_json)
+    key = KernelKey(k["op"], k["design"], k["arch"], tuple(map(tuple, k["dtypes"])),
+                    tuple(map(tuple, k["flags"])), tuple(map(tuple, k["config"])))
+    q.put(str(ck.build(key)))
+
+
+@needs_dsl
+def test_disk_cache_is_atomic_across_processes(tmp_path):
+    key = all_keys(("sm_80",))[0]
+    blob = json.dumps({"op": key.op, "design": key.design, "arch": key.arch, "dtypes": key.dtypes,
+                       "flags": key.flags, "config": key.config})
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_build_in_child, args=(str(tmp_path), blob, q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    paths = {q.get(timeout=600) for _ in procs}
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0
+    assert len(paths) == 1
+    entry = paths.pop()
+    assert sorted(os.listdir(entry)) == ["kernel.h", "kernel.o", "kernel.sass", "meta.json"]
+    leftovers = [p for p in os.listdir(os.path.dirname(entry)) if p.startswith(".tmp-")]
+    assert leftovers == []
+    mtime = os.path.getmtime(os.path.join(entry, "kernel.o"))
+    # a third process finds the entry and does not rebuild it
+    p = ctx.Process(target=_build_in_child, args=(str(tmp_path), blob, q))
+    p.start(); q.get(timeout=600); p.join()
+    assert os.path.getmtime(os.path.join(entry, "kernel.o")) == mtime
