@@ -36,16 +36,33 @@ def dsl_available() -> bool:
 
 
 def get_function(op: str, dtypes: dict, flags: dict, device=None) -> KernelFunction:
+    """The compiled function for (op, dtypes, flags) on ``device``'s target. Cached per
+    (device, environment overrides): this sits on every call's host path."""
+    env = (os.environ.get("CUTEKERN_ARCH"), os.environ.get("CUTEKERN_DESIGN"),
+           os.environ.get(ENV_ARTIFACTS))
+    dev = getattr(device, "index", device)
+    return _cached_function(op, tuple(dtypes.items()), tuple(flags.items()), dev, env)
+
+
+def resolve_key(op: str, dtypes: dict, flags: dict, device=None):
+    """The KernelKey the dispatcher compiles for this target (honours $CUTEKERN_ARCH and
+    $CUTEKERN_DESIGN, so any arch's kernel can be traced and compiled on a CPU box)."""
+    from .registry import KernelKey, default_config
     arch = target_arch(device)
     design = target_design(arch)
-    dt = tuple(dtypes.items())
-    fl = tuple(flags.items())
-    root = os.environ.get(ENV_ARTIFACTS)
+    return KernelKey(op, design, arch, tuple(dtypes.items()), tuple(flags.items()),
+                     default_config(op, design))
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_function(op, dt, fl, device, env) -> KernelFunction:
+    arch = target_arch(device)
+    design = target_design(arch)
+    root = env[2]
     if root:
         return _manifest(root).function(op, design, arch, dt, fl)
     if dsl_available():
-        from .registry import KernelKey, default_config
-        return _jit_function(KernelKey(op, design, arch, dt, fl, default_config(op, design)))
+        return _jit_function(resolve_key(op, dict(dt), dict(fl), device))
     raise CuteKernRuntimeError(
         f"no kernels for {op} on {arch}: set {ENV_ARTIFACTS} to an export directory "
         f"(`cutekern export`) or install nvidia-cutlass-dsl for JIT compilation")

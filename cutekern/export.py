@@ -20,13 +20,13 @@ class ExportError(RuntimeError):
     pass
 
 
-def export(arches, out_dir, *, ops=None, designs=None, log=print) -> dict:
+def export(arches, out_dir, *, ops=None, designs=None, overrides=None, log=print) -> dict:
     from . import compile as ck
     from .registry import all_keys
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    keys = [k for k in all_keys(arches)
+    keys = [k for k in all_keys(arches, overrides=overrides)
             if (ops is None or k.op in ops) and (designs is None or k.design in designs)]
     if not keys:
         raise ExportError(f"no variants registered for arches={arches} ops={ops} designs={designs}")

@@ -37,9 +37,15 @@ def pad_k(w, multiple=8):
     return out
 
 
-def lce_decomposed_padded(w_cand_p, w_user_p, e_cand, e_user, cand_to_user):
-    """Decomposition with weights padded once (the strongest torch route): the GEMMs see
-    the K-sliced views of the padded buffers, whose 16-byte aligned row stride lets
-    cuBLAS take its aligned kernels. Embeddings are used as they are."""
-    kc, ku = e_cand.shape[1], e_user.shape[1]
-    return lce_decomposed(w_cand_p[:, :kc], w_user_p[:, :ku], e_cand, e_user, cand_to_user)
+def pad_k_rows(e, multiple=8):
+    """Zero-pad the K dim (dim 1) of an embedding tensor [B, K, N] to a multiple of 8."""
+    k = e.shape[1]
+    kp = -(-k // multiple) * multiple
+    return e if kp == k else torch.nn.functional.pad(e, (0, 0, 0, kp - k))
+
+
+def lce_decomposed_padded(w_cand_p, w_user_p, e_cand_p, e_user_p, cand_to_user):
+    """Decomposition with every K padded to a multiple of 8 (the strongest torch route):
+    weights padded once, embeddings produced K-padded upstream (``pad_k_rows``), so cuBLAS
+    runs its aligned kernels. Zero padding leaves the result unchanged."""
+    return lce_decomposed(w_cand_p, w_user_p, e_cand_p, e_user_p, cand_to_user)

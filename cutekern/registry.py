@@ -92,8 +92,9 @@ def default_config(op: str, design: str) -> tuple:
     return tuple((f.name, getattr(cls(), f.name)) for f in dataclasses.fields(cls))
 
 
-def all_keys(arches, with_config=True) -> list:
-    """Every registered variant for the given arches (configs resolved if asked)."""
+def all_keys(arches, with_config=True, overrides=None) -> list:
+    """Every registered variant for the given arches (configs resolved if asked).
+    ``overrides``: {design: {config field: value}} applied on top of the defaults."""
     keys = []
     for arch in arches:
         for op in OPS.values():
@@ -101,6 +102,11 @@ def all_keys(arches, with_config=True) -> list:
                 if design not in op.designs:
                     continue
                 cfg = default_config(op.name, design) if with_config else ()
+                if overrides and design in overrides:
+                    unknown = set(overrides[design]) - {k for k, _ in cfg}
+                    if unknown:
+                        raise ValueError(f"{design} config has no field(s) {sorted(unknown)}")
+                    cfg = tuple((k, overrides[design].get(k, v)) for k, v in cfg)
                 for dtypes, flags in op.variants:
                     keys.append(KernelKey(op.name, design, arch, dtypes, flags, cfg))
     return keys

@@ -173,40 +173,60 @@ class KernelFunction:
         self._fn = ctypes.c_void_p()
         lib.check(lib.lib.CuteDSLRT_Module_Get_Function(
             ctypes.byref(self._fn), self._module, self.prefix.encode()), f"finding {self.prefix}")
+        self._run = lib.lib.CuteDSLRT_Function_Run
+        self._tensor_specs = [s for s in self.abi if s["kind"] == "tensor"]
+        self._structs = [tensor_struct(s["rank"]) for s in self._tensor_specs]
+        self._ptr_array = ctypes.c_void_p * (len(self.abi) + 1)
 
     def validate(self, *args):
         return validate_args(self.meta, args)
 
-    def __call__(self, *args, stream=None):
+    def __call__(self, *args, stream=None, check=True):
+        """Launch on ``stream`` (default: torch's current stream of the tensors' device).
+        ``check=False`` skips the ABI validation for callers that already did it."""
         import torch
-        dims, device = self.validate(*args)
+        if check:
+            dims, device = validate_args(self.meta, args)
+        else:
+            dims, device = [_fast_dims(t, spec) for t, spec in zip(args, self._tensor_specs)], args[0].device
         keep = []  # ctypes objects must outlive the call
-        ptrs = []
-        it = iter(zip(args, dims))
-        for spec in self.abi:
+        ptrs = self._ptr_array()  # per call: launches may come from several threads
+        i = 0
+        for j, spec in enumerate(self.abi):
             if spec["kind"] == "stream":
                 s = stream if stream is not None else torch.cuda.current_stream(device).cuda_stream
                 h = ctypes.c_void_p(s)
                 keep.append(h)
-                ptrs.append(ctypes.cast(ctypes.byref(h), ctypes.c_void_p))
+                ptrs[j] = ctypes.addressof(h)
                 continue
-            t, (shape, stride) = next(it)
-            st = tensor_struct(spec["rank"])()
-            st.data = t.data_ptr()
-            for i, v in enumerate(shape):
-                st.dynamic_shapes[i] = v
-            for i, v in enumerate(stride[:-1]):
-                st.dynamic_strides[i] = v
+            shape, stride = dims[i]
+            st = self._structs[i]()
+            st.data = args[i].data_ptr()
+            st.dynamic_shapes[:] = shape
+            if spec["rank"] > 1:
+                st.dynamic_strides[:] = stride[:-1]
             keep.append(st)
-            ptrs.append(ctypes.cast(ctypes.byref(st), ctypes.c_void_p))
+            ptrs[j] = ctypes.addressof(st)
+            i += 1
         ret = ctypes.c_int32(0)
-        ptrs.append(ctypes.cast(ctypes.byref(ret), ctypes.c_void_p))
-        arr = (ctypes.c_void_p * len(ptrs))(*ptrs)
-        with torch.cuda.device(device):
-            self._lib.check(self._lib.lib.CuteDSLRT_Function_Run(self._fn, arr, len(ptrs)),
-                            f"launching {self.prefix}")
+        ptrs[len(self.abi)] = ctypes.addressof(ret)
+        if device.index is not None and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                err = self._run(self._fn, ptrs, len(ptrs))
+        else:
+            err = self._run(self._fn, ptrs, len(ptrs))
+        self._lib.check(err, f"launching {self.prefix}")
         if ret.value != 0:
             raise CuteKernRuntimeError(f"launching {self.prefix}: CUDA error {ret.value}")
+
+
+def _fast_dims(t, spec):
+    """(shape, strides) as the kernel takes them, without checks (size-1 modes get the
+    canonical stride validate_args would give them)."""
+    shape, stride = list(t.shape), list(t.stride())
+    if 1 in shape[:-1]:
+        return _validate_tensor(spec, t, "", None, require_cuda=False)
+    return shape, stride
 
 
 def validate_args(meta: dict, args, require_cuda: bool = True) -> tuple:

@@ -38,6 +38,21 @@ def time_ms(fn, reps=20, warmup=3) -> float:
     return statistics.median(times)
 
 
+def time_graph_ms(fn, reps=20) -> float:
+    """Median device time of one CUDA-graph replay of fn() (host launch cost removed)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm-up outside capture (lazy loads, allocator)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    t = time_ms(g.replay, reps=reps)
+    del g
+    return t
+
+
 def measured_ceilings() -> dict:
     """Dense fp16 matmul rate and device copy bandwidth, measured now on this GPU."""
     n = 8192

@@ -64,8 +64,3 @@ def session_cache(tmp_path_factory):
     if "CUTEKERN_CACHE_DIR" not in os.environ:
         os.environ["CUTEKERN_CACHE_DIR"] = str(tmp_path_factory.mktemp("cutekern-cache"))
     return Path(os.environ["CUTEKERN_CACHE_DIR"])
-
-
-def dsl_installed() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("cutlass") is not None

@@ -123,3 +123,15 @@ def test_runtime_validation_names_argument():
     # a well-formed CPU call passes every metadata check and reports canonical strides
     dims, _ = validate_args(META, args, require_cuda=False)
     assert dims[1] == ([3, 13, 16], [208, 16, 1])
+
+
+def test_custom_ops_have_fake_implementations():
+    """torch.compile traces the ops with fake tensors: shapes/dtypes come out right."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        wc, wu = torch.empty(5, 16, dtype=F16), torch.empty(5, 16, dtype=F16)
+        ec, eu = torch.empty(4, 13, 24, dtype=F16), torch.empty(2, 9, 24, dtype=F16)
+        c2u = torch.empty(4, dtype=torch.int32)
+        out = torch.ops.cutekern.lce(wc, wu, ec, eu, c2u, True)
+        assert out.shape == (4, 5, 24) and out.dtype == F16
+        torch.ops.cutekern.lce_out(wc, wu, ec, eu, c2u, torch.empty(4, 5, 24, dtype=F16), False)

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from cutekern.registry import OPS, KernelKey, all_keys
-from conftest import dsl_installed
+from helpers import dsl_installed
 
 BASE = KernelKey("lce_gemm", "sm90", "sm_90a", (("ab", "float16"), ("c", "float16")),
                  (("has_addend", True),), (("tile_m", 128), ("tile_n", 256), ("stages", 4)))

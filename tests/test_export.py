@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import dsl_installed
+from helpers import dsl_installed
 from cutekern.arch import ARCHES
 from cutekern.registry import OPS
 from cutekern.runtime import tensor_struct

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from cutekern.layout import CandidateView
-from conftest import dsl_installed
+from helpers import dsl_installed
 
 
 def _expand_check(view: CandidateView, user: torch.Tensor, c2u: torch.Tensor):

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from cutekern.reference import (lce_broadcast_bmm, lce_decomposed, lce_decomposed_padded,
-                                lce_reference, pad_k)
+                                lce_reference, pad_k, pad_k_rows)
 
 
 def _problem(b_counts, m, n, kc, ku, seed, dtype=torch.float32):
@@ -31,7 +31,8 @@ def test_reference_matches_loop(counts, m, n, kc, ku, seed):
     for fn in (lce_broadcast_bmm, lce_decomposed):
         torch.testing.assert_close(fn(*args).double(), want, rtol=1e-5, atol=1e-4)
     wc, wu = pad_k(args[0]), pad_k(args[1])
-    torch.testing.assert_close(lce_decomposed_padded(wc, wu, *args[2:]).double(), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lce_decomposed_padded(wc, wu, pad_k_rows(args[2]), pad_k_rows(args[3]), args[4]).double(),
+                               want, rtol=1e-5, atol=1e-4)
 
 
 def test_pad_k_zero_fills_and_aligns():

@@ -112,7 +112,7 @@ def test_cuda_graph_and_compile(design):
     g.replay()
     torch.cuda.synchronize()
     check(out, (args[0], args[1], *args[2:]), torch.bfloat16)
-    f = torch.compile(lambda a, b, c: lce(a, b, c), fullgraph=False)
+    f = torch.compile(lambda a, b, c: lce(a, b, c), fullgraph=True)
     check(f(*args[2:]), (args[0], args[1], *args[2:]), torch.bfloat16)
 
 

@@ -1,0 +1,103 @@
+"""Tune the LCE kernels on the GPU: every export directory under --root (one tile config
+each, made by `python3 perf/tune_lce.py --make ROOT` on the CPU box) is timed at the
+reference shape, phase by phase, through the runtime."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CONFIGS = {
+    "sm90": {
+        "c21_s4": {},
+        "c11_s4": {"cluster_n": 1},
+        "c22_s4": {"cluster_m": 2},
+        "c12_s4": {"cluster_n": 1, "cluster_m": 2},
+        "c22_s3": {"cluster_m": 2, "ab_stages": 3},
+        "c22_s4_e16": {"cluster_m": 2, "epi_m": 16},
+    },
+    "ada": {
+        "t128x128_w2x2_s4": {},
+        "t128x128_w4x2_s4": {"warps_m": 4},
+        "t128x128k64_s3": {"tile_k": 64, "stages": 3},
+    },
+}
+
+
+def make(root: Path):
+    from cutekern.export import export
+    for design, cfgs in CONFIGS.items():
+        for name, ov in cfgs.items():
+            export(("sm_90a",), root / f"{design}-{name}", designs=[design], ops=["lce_gemm"],
+                   overrides={design: ov}, log=lambda *a: None)
+            print("made", design, name, flush=True)
+
+
+def run(root: Path, out_dir: Path):
+    import torch
+    from common import time_ms
+    from cutekern.runtime import Manifest
+    from cutekern.reference import pad_k, lce_reference
+
+    M, N, KU, KC, B, R = 433, 256, 1178, 866, 1024, 70
+    u = -(-B // R)
+    c2u = torch.repeat_interleave(torch.arange(u), torch.tensor([R] * (u - 1) + [B - R * (u - 1)])).int().cuda()
+    dt = torch.float16
+    wc = pad_k((torch.randn(M, KC, device="cuda") / KC ** .5).to(dt))
+    wu = pad_k((torch.randn(M, KU, device="cuda") / KU ** .5).to(dt))
+    ec = torch.randn(B, KC, N, device="cuda").to(dt)
+    eu = torch.randn(u, KU, N, device="cuda").to(dt)
+    ref = lce_reference(wc[:, :KC], wu[:, :KU], ec, eu, c2u)
+    flops = 2 * M * N * (B * KC + u * KU)
+    from cutekern.reference import lce_decomposed, lce_decomposed_padded, pad_k_rows
+    ecp, eup = pad_k_rows(ec), pad_k_rows(eu)
+    t_pad = time_ms(lambda: lce_decomposed_padded(wc, wu, ecp, eup, c2u))
+    t_dec = time_ms(lambda: lce_decomposed(wc[:, :KC], wu[:, :KU], ec, eu, c2u))
+    t_mm = time_ms(lambda: torch.matmul(wc, ecp))
+    print(f"baselines: decomposed {t_dec:.3f} ms, decomposed_padded {t_pad:.3f} ms, "
+          f"padded cand matmul alone {t_mm:.3f} ms", flush=True)
+    rows = [{"baseline_decomposed_ms": t_dec, "baseline_decomposed_padded_ms": t_pad,
+             "padded_cand_matmul_ms": t_mm}]
+    for d in sorted(p for p in root.iterdir() if (p / "manifest.json").exists()):
+        design = d.name.split("-")[0]
+        man = Manifest(d)
+        f_user = man.function("lce_gemm", design, "sm_90a", {"ab": "float16", "c": "float32"}, {"has_addend": False})
+        f_cand = man.function("lce_gemm", design, "sm_90a", {"ab": "float16", "c": "float16"}, {"has_addend": True})
+        f_noadd = man.function("lce_gemm", design, "sm_90a", {"ab": "float16", "c": "float32"}, {"has_addend": False})
+        part = torch.empty(u, M, N, device="cuda")
+        out = torch.full((B, M, N), float("nan"), dtype=dt, device="cuda")
+        out32 = torch.empty(B, M, N, device="cuda")
+
+        def both():
+            f_user(wu, eu, part, part, c2u)
+            f_cand(wc, ec, out, part, c2u)
+        both()
+        torch.cuda.synchronize()
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        t_both = time_ms(both)
+        t_user = time_ms(lambda: f_user(wu, eu, part, part, c2u))
+        t_cand = time_ms(lambda: f_cand(wc, ec, out, part, c2u))
+        t_cand32 = time_ms(lambda: f_noadd(wc, ec, out32, part, c2u))
+        row = {"config": d.name, "config_fields": man.data["kernels"][0]["config"], "rel_err": err,
+               "total_ms": t_both, "user_ms": t_user, "cand_addend_f16out_ms": t_cand,
+               "cand_noaddend_f32out_ms": t_cand32, "useful_tflops": flops / t_both / 1e9}
+        rows.append(row)
+        print(f"{d.name:28s} err={err:.2e} total={t_both:.3f} user={t_user:.3f} cand={t_cand:.3f} "
+              f"cand_noadd_f32={t_cand32:.3f} ms  {row['useful_tflops']:.0f} TF", flush=True)
+    (out_dir / "tune_lce.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--make", type=Path)
+    ap.add_argument("--root", type=Path)
+    ap.add_argument("--out", type=Path, default=Path("."))
+    a = ap.parse_args()
+    if a.make:
+        make(a.make)
+    else:
+        run(a.root, a.out)

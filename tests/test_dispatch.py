@@ -1,0 +1,63 @@
+"""Dispatch: targets, the CUTEKERN_ARCH/DESIGN overrides, and a DSL-free import."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from helpers import REPO, dsl_installed
+from cutekern.arch import arch_from_capability, parse_arches, target_arch, target_design
+
+
+def test_capability_mapping():
+    assert arch_from_capability(8, 0) == "sm_80" and arch_from_capability(8, 6) == "sm_80"
+    assert arch_from_capability(8, 9) == "sm_89"
+    assert arch_from_capability(9, 0) == "sm_90a"
+    assert arch_from_capability(10, 0) == "sm_100a" and arch_from_capability(10, 3) == "sm_103a"
+    with pytest.raises(RuntimeError, match="compute capability 7.5"):
+        arch_from_capability(7, 5)
+
+
+def test_env_overrides(monkeypatch):
+    monkeypatch.setenv("CUTEKERN_ARCH", "sm_89")
+    assert target_arch() == "sm_89" and target_design("sm_89") == "ada"
+    monkeypatch.setenv("CUTEKERN_ARCH", "sm_42")
+    with pytest.raises(ValueError, match="CUTEKERN_ARCH"):
+        target_arch()
+    monkeypatch.setenv("CUTEKERN_DESIGN", "ada")
+    assert target_design("sm_90a") == "ada"
+    with pytest.raises(ValueError, match="cannot run on sm_100a"):
+        target_design("sm_100a")
+    assert parse_arches("all")[0] == "sm_80"
+    with pytest.raises(ValueError, match="unknown arch"):
+        parse_arches("sm_90a,sm_70")
+
+
+@pytest.mark.skipif(not dsl_installed(), reason="needs nvidia-cutlass-dsl")
+@pytest.mark.parametrize("arch,design", [("sm_100a", "sm100"), ("sm_89", "ada"), ("sm_90a", "sm90")])
+def test_any_arch_traces_on_cpu(session_cache, monkeypatch, arch, design):
+    from cutekern import compile as ck
+    from cutekern.dispatch import resolve_key
+    monkeypatch.setenv("CUTEKERN_ARCH", arch)
+    key = resolve_key("lce_gemm", {"ab": "bfloat16", "c": "bfloat16"}, {"has_addend": True})
+    assert (key.arch, key.design) == (arch, design)
+    meta = ck.read_meta(ck.build(key))
+    assert meta["arch"] == arch and set(meta["sass"]["required_found"]) == set(meta["sass"]["required"])
+
+
+def test_runtime_side_imports_without_the_dsl():
+    """The serving path (API, dispatch, runtime) never imports the DSL compiler."""
+    code = textwrap.dedent(f"""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] in ('cutlass', 'nvidia_cutlass_dsl', 'kernels'):
+                    raise ImportError('blocked ' + name)
+        sys.meta_path.insert(0, Block())
+        sys.path.insert(0, {str(REPO)!r})
+        import cutekern, cutekern.ikbo, cutekern.runtime, cutekern.dispatch, cutekern.export
+        assert 'cutlass' not in sys.modules
+        print('ok')
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
