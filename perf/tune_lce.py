@@ -13,17 +13,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CONFIGS = {
     "sm90": {
-        "c21_s4": {},
-        "c11_s4": {"cluster_n": 1},
-        "c22_s4": {"cluster_m": 2},
-        "c12_s4": {"cluster_n": 1, "cluster_m": 2},
-        "c22_s3": {"cluster_m": 2, "ab_stages": 3},
-        "c22_s4_e16": {"cluster_m": 2, "epi_m": 16},
+        "tma_ab4_add2": {},
+        "ldg_ab4": {"addend_tma": False},
+        "tma_ab3_add3": {"ab_stages": 3, "addend_stages": 3},
+        "tma_c11_ab4_add2": {"cluster_n": 1},
+        "tma_c11_ab3_add3": {"cluster_n": 1, "ab_stages": 3, "addend_stages": 3},
     },
     "ada": {
         "t128x128_w2x2_s4": {},
-        "t128x128_w4x2_s4": {"warps_m": 4},
-        "t128x128k64_s3": {"tile_k": 64, "stages": 3},
     },
 }
 

@@ -12,7 +12,10 @@ for 16-bit WGMMA, and c^T is an M-major output that the TMA store writes directl
 
 Structure: one producer warp issues TMA loads into an `ab_stages`-deep shared-memory ring
 (mbarrier pipeline); two consumer warpgroups run WGMMA into fp32 registers and do the
-epilogue (optional fp32 addend, convert, registers -> smem -> TMA store). Persistent grid
+epilogue (optional fp32 addend, convert, registers -> smem -> TMA store). With the addend
+and `addend_tma` (default), a second producer warp TMA-loads each epilogue subtile of
+d[idx[l]] into a small shared-memory ring ahead of time, so the consumers read the addend
+from smem with the accumulator's own thread -> element mapping. Persistent grid
 with a static scheduler whose raster walks all tiles of one batch entry l back to back, so
 b[l] comes from DRAM once and from L2 for its other tiles.
 """
@@ -50,6 +53,11 @@ class LceSm90Config:
     epi_stages: output staging buffers for the TMA store (>= 2); reduced automatically to
         what fits next to the ring (fp32 output needs twice the bytes).
     epi_m: epilogue subtile along problem M.
+    addend_tma: has_addend only: TMA-load each epilogue subtile of d[idx[l]] into a
+        shared-memory ring (issued ahead by a dedicated warp of the producer warpgroup)
+        instead of predicated scalar LDGs from the consumer threads.
+    addend_stages: depth of that ring (tile_n x epi_m fp32 per stage); reduced automatically
+        to what fits next to ab_stages and two output buffers.
     cluster_n: CTAs per cluster along problem N; > 1 multicasts the weight (a) tile, the
         larger of the two per-stage loads, to CTAs that share it (halves its L2 reads).
     cluster_m: CTAs per cluster along problem M; > 1 multicasts the b tile.
@@ -62,6 +70,8 @@ class LceSm90Config:
     ab_stages: int = 4
     epi_stages: int = 4
     epi_m: int = 32
+    addend_tma: bool = True
+    addend_stages: int = 2
     cluster_n: int = 2
     cluster_m: int = 1
     num_ctas: int = 132
@@ -75,11 +85,35 @@ def _epi_stage_bytes(cfg: LceSm90Config, c_dtype) -> int:
     return cfg.tile_n * cfg.epi_m * c_dtype.width // 8
 
 
-def _fit_epi_stages(cfg: LceSm90Config, ab_dtype, c_dtype) -> int:
+def _addend_stage_bytes(cfg: LceSm90Config) -> int:
+    return cfg.tile_n * cfg.epi_m * 4
+
+
+def _fit_stages(cfg: LceSm90Config, ab_dtype, c_dtype, has_addend: bool) -> tuple:
+    """(epi_stages, addend_stages) that fit next to the ab ring; addend_stages is 0 unless
+    the addend is TMA-loaded."""
     left = _SMEM_CAPACITY - _SMEM_RESERVED - cfg.ab_stages * _ab_stage_bytes(cfg, ab_dtype)
-    # 1024-byte alignment padding for each of the three buffers
-    left -= 3 * 1024
-    return max(0, min(cfg.epi_stages, left // _epi_stage_bytes(cfg, c_dtype)))
+    epi_b = _epi_stage_bytes(cfg, c_dtype)
+    if not (has_addend and cfg.addend_tma):
+        # 1024-byte alignment padding for each of the three buffers (conservative: every
+        # buffer size is a multiple of 1024 bytes, so only the barrier block pads)
+        left -= 3 * 1024
+        return max(0, min(cfg.epi_stages, left // epi_b)), 0
+    # Exact accounting: the barriers sit in the first 1024 bytes (_SMEM_RESERVED) and
+    # every buffer is a multiple of 1024 bytes, so the 1024-byte aligned buffers pack.
+    add_b = _addend_stage_bytes(cfg)
+    # the one-barrier-per-subtile store scheme needs two output buffers; then one addend
+    # stage, then addend stages up to addend_stages, then output buffers up to epi_stages
+    epi = min(cfg.epi_stages, 2, max(0, left) // epi_b)
+    left -= epi * epi_b
+    add = min(cfg.addend_stages, max(0, left) // add_b)
+    left -= add * add_b
+    extra = min(cfg.epi_stages - epi, max(0, left) // epi_b)
+    return epi + max(0, extra), add
+
+
+def _fit_epi_stages(cfg: LceSm90Config, ab_dtype, c_dtype, has_addend: bool = False) -> int:
+    return _fit_stages(cfg, ab_dtype, c_dtype, has_addend)[0]
 
 
 def _mma_regs(num_mma_wg: int) -> int:
@@ -109,9 +143,12 @@ class LceGemmSm90:
         self.cluster_shape_mn = (config.cluster_n, config.cluster_m)
         self.cluster_size = config.cluster_n * config.cluster_m
         self.ab_stages = config.ab_stages
-        self.epi_stages = _fit_epi_stages(config, ab_dtype, c_dtype)
+        self.epi_stages, self.addend_stages = _fit_stages(
+            config, ab_dtype, c_dtype, self.has_addend)
+        self.addend_tma = self.has_addend and config.addend_tma
         self.epi_tile = (config.tile_n, config.epi_m)
         self.load_warp_id = 0
+        self.addend_load_warp_id = 1  # idle otherwise: second warp of the producer warpgroup
         self.epi_store_warp_id = 4  # first warp of the first consumer warpgroup
         # producer WG gives registers to the consumers (128 x 40 + 256 x 232 <= 64K)
         self.load_regs = 40
@@ -137,6 +174,8 @@ class LceGemmSm90:
             return False
         if cfg.ab_stages < 2 or cfg.epi_stages < 2:
             return False
+        if has_addend and cfg.addend_tma and cfg.addend_stages < 1:
+            return False
         if cfg.cluster_m not in (1, 2, 4) or cfg.cluster_n not in (1, 2, 4):
             return False
         csize = cfg.cluster_m * cfg.cluster_n
@@ -150,7 +189,10 @@ class LceGemmSm90:
         if cfg.tile_n % (64 * cfg.cluster_m) != 0 or cfg.tile_m % (8 * cfg.cluster_n) != 0:
             return False
         # the one-barrier-per-subtile store scheme needs two output buffers
-        if _fit_epi_stages(cfg, ab_dtype, c_dtype) < 2:
+        epi, add = _fit_stages(cfg, ab_dtype, c_dtype, bool(has_addend))
+        if epi < 2:
+            return False
+        if has_addend and cfg.addend_tma and add < 1:
             return False
         return True
 
@@ -218,6 +260,21 @@ class LceGemmSm90:
         tma_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + \
             cute.size_in_bytes(self.ab_dtype, b_smem)
 
+        # addend ring: one (tile_n, epi_m) fp32 subtile of d[idx[l]]^T per stage, N
+        # contiguous like the output (128-byte swizzle: the epilogue's per-thread reads,
+        # consecutive in M, hit 32 distinct banks). TMA zero-fills rows/columns past N/M.
+        add_smem_staged = None
+        tma_atom_d = None
+        tma_d = None
+        add_bytes = 0
+        if cutlass.const_expr(self.addend_tma):
+            add_smem_staged = sm90_utils.make_smem_layout_epi(
+                cutlass.Float32, c_layout, self.epi_tile, self.addend_stages)
+            add_smem = cute.slice_(add_smem_staged, (None, None, 0))
+            tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), mD, add_smem, self.epi_tile)
+            add_bytes = cute.size_in_bytes(cutlass.Float32, add_smem)
+
         # tiles over (N', M', L) = (problem N, problem M, L); N' fastest, then M', then l,
         # so the few tiles of one batch entry run together and share b[l] through L2.
         ntiles = (cute.ceil_div(N, bm), cute.ceil_div(M, bn), L)
@@ -240,11 +297,31 @@ class LceGemmSm90:
                 self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
+        if cutlass.const_expr(self.addend_tma):
+            @cute.struct
+            class SharedStorageAddend:
+                ab_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+                add_mbar: cute.struct.MemRange[cutlass.Int64, self.addend_stages * 2]
+                sA: cute.struct.Align[
+                    cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)],
+                    self.buffer_align_bytes]
+                sB: cute.struct.Align[
+                    cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)],
+                    self.buffer_align_bytes]
+                sC: cute.struct.Align[
+                    cute.struct.MemRange[self.c_dtype, cute.cosize(epi_smem_staged)],
+                    self.buffer_align_bytes]
+                sAdd: cute.struct.Align[
+                    cute.struct.MemRange[cutlass.Float32, cute.cosize(add_smem_staged)],
+                    self.buffer_align_bytes]
+
+            self.shared_storage = SharedStorageAddend
 
         self.kernel(
             tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c,
             mD, idx, tiled_mma,
             a_smem_staged, b_smem_staged, epi_smem_staged, tma_bytes, sched_params,
+            tma_atom_d, tma_d, add_smem_staged, add_bytes,
         ).launch(
             grid=grid,
             block=[self.threads_per_cta, 1, 1],
@@ -283,6 +360,10 @@ class LceGemmSm90:
         epi_smem_staged: cute.ComposedLayout,
         tma_bytes: cutlass.Constexpr,
         sched_params: utils.PersistentTileSchedulerParams,
+        tma_atom_d,
+        mD_tma,
+        add_smem_staged,
+        add_bytes: cutlass.Constexpr,
     ):
         bm, bn, bk = self.cta_tile
         tidx, _, _ = cute.arch.thread_idx()
@@ -292,6 +373,9 @@ class LceGemmSm90:
             cpasync.prefetch_descriptor(tma_atom_a)
             cpasync.prefetch_descriptor(tma_atom_b)
             cpasync.prefetch_descriptor(tma_atom_c)
+        if cutlass.const_expr(self.addend_tma):
+            if warp_idx == self.addend_load_warp_id:
+                cpasync.prefetch_descriptor(tma_atom_d)
 
         cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -320,11 +404,28 @@ class LceGemmSm90:
             cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
             defer_sync=True,
         )
+        # addend ring (CTA-local): full barrier = 1 producer arrive + tx bytes; empty barrier =
+        # ONE arrive per stage, from the epilogue store warp after the epilogue barrier that
+        # all consumer threads pass only once they have read the stage
+        add_pipeline = None
+        if cutlass.const_expr(self.addend_tma):
+            add_pipeline = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.add_mbar.data_ptr(),
+                num_stages=self.addend_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                tx_count=add_bytes,
+                defer_sync=True,
+            )
         pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+        sAdd = None
+        if cutlass.const_expr(self.addend_tma):
+            # (tile_n, epi_m, ADD_STAGE)
+            sAdd = storage.sAdd.get_tensor(add_smem_staged.outer, swizzle=add_smem_staged.inner)
 
         # (bm, bk, RestN', RestK, L) and (bn, bk, RestM', RestK, L)
         gA = cute.local_tile(mA, (bm, bk), (None, None, None))
@@ -389,6 +490,45 @@ class LceGemmSm90:
             # may still be writing into our smem otherwise)
             ab_pipeline.producer_tail(prod_state)
 
+        # epilogue subtiles, in the order the accumulator fragment holds them
+        # (row-major over (1, tile_m / epi_m): a subtile spans the whole tile_n)
+        epi_grid = (bm // self.epi_tile[0], bn // self.epi_tile[1])
+        epi_num = epi_grid[0] * epi_grid[1]
+        epi_order = cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
+
+        # ------------------------------------------------------- addend loader warp
+        # Loads every epilogue subtile of every tile (also those wholly past M or N: TMA
+        # zero-fills them and still signals the full byte count), in the order the
+        # consumers read them, so both sides advance the ring once per subtile.
+        if cutlass.const_expr(self.addend_tma):
+            if warp_idx == self.addend_load_warp_id:
+                # (bm, bn, RestN', RestM', U)
+                gD_tma = cute.local_tile(mD_tma, (bm, bn), (None, None, None))
+                sched = utils.StaticPersistentTileScheduler.create(
+                    sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+                work = sched.initial_work_tile_info()
+                add_prod_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.addend_stages)
+                while work.is_valid_tile:
+                    tc = work.tile_idx
+                    u = idx[tc[2]]
+                    gD_epi = cute.zipped_divide(
+                        gD_tma[(None, None, tc[0], tc[1], u)], self.epi_tile)
+                    bGS_sD, bGS_gD = cpasync.tma_partition(
+                        tma_atom_d, 0, cute.make_layout(1),
+                        cute.group_modes(sAdd, 0, 2), gD_epi)
+                    for e in cutlass.range_constexpr(epi_num):
+                        add_pipeline.producer_acquire(add_prod_state)
+                        cute.copy(tma_atom_d, bGS_gD[(None, epi_order.get_hier_coord(e))],
+                                  bGS_sD[(None, add_prod_state.index)],
+                                  tma_bar_ptr=add_pipeline.producer_get_barrier(add_prod_state))
+                        add_pipeline.producer_commit(add_prod_state)
+                        add_prod_state.advance()
+                    sched.advance_to_next_work()
+                    work = sched.get_current_work()
+                # every stage released: no TMA write into smem outlives this warp
+                add_pipeline.producer_tail(add_prod_state)
+
         # ------------------------------------------------------- consumer warpgroups
         if wg_idx > 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
@@ -424,13 +564,17 @@ class LceGemmSm90:
             cC = cute.make_identity_tensor((mC.shape[0], mC.shape[1]))
             gcC = cute.local_tile(cC, (bm, bn), (None, None))
             extent_nm = (mC.shape[0], mC.shape[1])
-            # epilogue subtiles, in the order the accumulator fragment holds them
-            # (row-major over (1, tile_m / epi_m): a subtile spans the whole tile_n)
-            epi_grid = (bm // self.epi_tile[0], bn // self.epi_tile[1])
-            epi_num = epi_grid[0] * epi_grid[1]
-            epi_order = cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
-            # double-buffered addend fragments (same element order as tRS_rD)
+            # double-buffered addend fragments (same element order as tRS_rD), LDG path
             rAdd = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in range(2)]
+            # TMA path: the addend ring partitioned with the accumulator fragment's
+            # thread -> element mapping (partition_S, as for the LDG coordinates)
+            tRS_sAdd = None
+            add_cons_state = None
+            if cutlass.const_expr(self.addend_tma):
+                tRS_sAdd = thr_copy_r2s.partition_S(sAdd)  # (R2S, R2S_M, R2S_N, ADD_STAGE)
+                add_cons_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, self.addend_stages)
+            use_ldg_addend = self.has_addend and not self.addend_tma
 
             while work.is_valid_tile:
                 tc = work.tile_idx
@@ -438,7 +582,7 @@ class LceGemmSm90:
                 # latency hides behind it
                 cC_t = gcC[(None, None, tc[0], tc[1])]
                 gD = mD[(None, None, 0)]
-                if cutlass.const_expr(self.has_addend):
+                if cutlass.const_expr(use_ldg_addend):
                     gD = mD[(None, None, idx[tc[2]])]
                 # WGMMA of k-tile j overlaps the wait for k-tile j+1; the stage of k-tile
                 # j-1 is released once its WGMMA has retired.
@@ -458,7 +602,7 @@ class LceGemmSm90:
                         ab_pipeline.consumer_release(release_state)
                         release_state.advance()
                     read_state.advance()
-                if cutlass.const_expr(self.has_addend):
+                if cutlass.const_expr(use_ldg_addend):
                     # first addend subtile loads overlap the last WGMMA
                     self._load_addend(thr_copy_r2s, cC_t, gD, extent_nm,
                                       epi_order.get_hier_coord(0), rAdd[0])
@@ -477,7 +621,14 @@ class LceGemmSm90:
                     for v in cutlass.range_constexpr(size_rD):
                         tRS_rD[v] = tRS_rAcc[e * size_rD + v]
                     ecrd = epi_order.get_hier_coord(e)
-                    if cutlass.const_expr(self.has_addend):
+                    if cutlass.const_expr(self.addend_tma):
+                        # stage add_cons_state holds subtile e of this tile; it is released
+                        # by the store warp after the epilogue barrier below
+                        add_pipeline.consumer_wait(add_cons_state)
+                        sAdd_e = tRS_sAdd[(None, None, None, add_cons_state.index)]
+                        for v in cutlass.range_constexpr(size_rD):
+                            tRS_rD[v] = tRS_rD[v] + sAdd_e[v]
+                    if cutlass.const_expr(use_ldg_addend):
                         # loads for the next subtile fly while this one is stored
                         if cutlass.const_expr(e + 1 < epi_num):
                             self._load_addend(thr_copy_r2s, cC_t, gD, extent_nm,
@@ -490,15 +641,25 @@ class LceGemmSm90:
                     # buffer buf was last read by the store issued epi_stages subtiles ago;
                     # the store warp waited for it before the previous barrier (below)
                     cute.copy(tiled_copy_r2s, tRS_rOut, tRS_sC[(None, None, None, buf)])
-                    # make the generic-proxy smem writes visible to the TMA (async proxy)
+                    # make the generic-proxy smem accesses (output writes, and the addend
+                    # reads before the loader's next TMA write) ordered with the async proxy
                     cute.arch.fence_proxy("async.shared", space="cta")
+                    if warp_idx == self.epi_store_warp_id:
+                        # one barrier per subtile: the buffer written after this barrier,
+                        # (prev + e + 1) % epi_stages, was last read by the store issued
+                        # epi_stages - 1 subtiles ago; leave at most epi_stages - 2 stores
+                        # reading smem. Waiting here, not right after the commit, gives the
+                        # last store this warp's convert/stmatrix time to drain.
+                        cute.arch.cp_async_bulk_wait_group(self.epi_stages - 2, read=True)
                     epi_bar.arrive_and_wait()
                     if warp_idx == self.epi_store_warp_id:
+                        if cutlass.const_expr(self.addend_tma):
+                            # every consumer thread has read the addend stage (barrier above)
+                            add_pipeline.consumer_release(add_cons_state)
                         cute.copy(tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, ecrd)])
                         cute.arch.cp_async_bulk_commit_group()
-                        # one barrier per subtile: leave at most epi_stages - 2 stores
-                        # reading smem, so the buffer written after the NEXT barrier is free
-                        cute.arch.cp_async_bulk_wait_group(self.epi_stages - 2, read=True)
+                    if cutlass.const_expr(self.addend_tma):
+                        add_cons_state.advance()
 
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
