@@ -36,7 +36,6 @@ def _check_weight(name, w, dtype=None, m=None):
 
 def _check_rows16(name, t):
     """Embedding tensors go to the kernel as they are: N contiguous, 16-byte aligned rows."""
-    esz = t.element_size()
     if t.shape[-1] % 8 != 0:
         raise _err(name, f"last dim N={t.shape[-1]} must be a multiple of 8 (16-byte rows)")
     if t.stride(-1) != 1:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import abi as _abi
 from .arch import DESIGNS_FOR_ARCH

@@ -15,29 +15,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import measured_ceilings, time_graph_ms, time_ms, write_results  # noqa: E402
+from common import LCE_REF, lce_problem, measured_ceilings, time_graph_ms, time_ms, write_results  # noqa: E402
 
 from cutekern.arch import DESIGNS_FOR_ARCH, target_arch  # noqa: E402
 from cutekern.ikbo import LinearCompression  # noqa: E402
 from cutekern.reference import (lce_broadcast_bmm, lce_decomposed,  # noqa: E402
                                 lce_decomposed_padded, pad_k, pad_k_rows)
 
-M, N, K_USER, K_CAND = 433, 256, 1178, 866
-
-
-def problem(b, ratio, dtype, seed=0):
-    torch.manual_seed(seed)
-    u = -(-b // ratio)
-    counts = torch.full((u,), ratio)
-    counts[-1] = b - ratio * (u - 1)
-    c2u = torch.repeat_interleave(torch.arange(u), counts).to(torch.int32).cuda()
-    mk = lambda *s, scale=1.0: (torch.randn(*s, device="cuda") * scale).to(dtype)
-    return (mk(M, K_CAND, scale=K_CAND ** -0.5), mk(M, K_USER, scale=K_USER ** -0.5),
-            mk(b, K_CAND, N), mk(u, K_USER, N), c2u)
+M, N, K_USER, K_CAND = LCE_REF["M"], LCE_REF["N"], LCE_REF["K_user"], LCE_REF["K_cand"]
 
 
 def run_case(name, b, ratio, dtype, designs, reps):
-    w_cand, w_user, e_cand, e_user, c2u = problem(b, ratio, dtype)
+    w_cand, w_user, e_cand, e_user, c2u = lce_problem(b, ratio, dtype)
     u = e_user.shape[0]
     flops = 2 * M * N * (b * K_CAND + u * K_USER)
     # strongest torch route: weights padded once, embeddings assumed produced K-padded

@@ -65,6 +65,22 @@ def measured_ceilings() -> dict:
     return {"matmul_fp16_tflops": 2 * n**3 / t / 1e9, "copy_gbps": 2 * src.numel() * 4 / tc / 1e6}
 
 
+LCE_REF = dict(M=433, N=256, K_cand=866, K_user=1178)
+
+
+def lce_problem(b, ratio, dtype, seed=0, M=433, N=256, K_cand=866, K_user=1178):
+    """Random IKBO LCE inputs: b candidates, `ratio` per user (last user takes the rest),
+    weights scaled so outputs are O(1). Returns (w_cand, w_user, e_cand, e_user, c2u)."""
+    torch.manual_seed(seed)
+    u = -(-b // ratio)
+    counts = torch.full((u,), ratio)
+    counts[-1] = b - ratio * (u - 1)
+    c2u = torch.repeat_interleave(torch.arange(u), counts).to(torch.int32).cuda()
+    mk = lambda *s, scale=1.0: (torch.randn(*s, device="cuda") * scale).to(dtype)  # noqa: E731
+    return (mk(M, K_cand, scale=K_cand ** -0.5), mk(M, K_user, scale=K_user ** -0.5),
+            mk(b, K_cand, N), mk(u, K_user, N), c2u)
+
+
 def git_commit() -> str:
     env = os.environ.get("CUTEKERN_GIT_COMMIT")
     if env:

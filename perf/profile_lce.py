@@ -6,18 +6,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import lce_problem  # noqa: E402
 from cutekern.reference import pad_k  # noqa: E402
 from cutekern.runtime import Manifest  # noqa: E402
 
 root, design = Path(sys.argv[1]), sys.argv[2]
-M, N, KU, KC, B, R = 433, 256, 1178, 866, 1024, 70
-u = -(-B // R)
-c2u = torch.repeat_interleave(torch.arange(u), torch.tensor([R] * (u - 1) + [B - R * (u - 1)])).int().cuda()
 dt = torch.float16
-wc = pad_k((torch.randn(M, KC, device="cuda") / KC ** .5).to(dt))
-wu = pad_k((torch.randn(M, KU, device="cuda") / KU ** .5).to(dt))
-ec = torch.randn(B, KC, N, device="cuda").to(dt)
-eu = torch.randn(u, KU, N, device="cuda").to(dt)
+wc, wu, ec, eu, c2u = lce_problem(1024, 70, dt)
+wc, wu = pad_k(wc), pad_k(wu)
+u, (B, _, N), M = eu.shape[0], ec.shape, wc.shape[0]
 man = Manifest(root)
 f_user = man.function("lce_gemm", design, "sm_90a", {"ab": "float16", "c": "float32"}, {"has_addend": False})
 f_cand = man.function("lce_gemm", design, "sm_90a", {"ab": "float16", "c": "float16"}, {"has_addend": True})

@@ -13,17 +13,23 @@ BEGIN, END = "<!-- perf-table:begin -->", "<!-- perf-table:end -->"
 def lce_table(doc: dict) -> str:
     designs = doc.get("designs", [])
     cols = ["broadcast_bmm", "decomposed", "decomposed_padded"] + [f"cutekern_{d}" for d in designs]
+    ceil = doc["ceilings"]["matmul_fp16_tflops"]
     lines = [f"**IKBO LCE** on {doc['device']} (commit `{doc['git_commit'][:10]}`, {doc['date'][:10]}, "
-             f"torch {doc['torch']}; measured fp16 matmul ceiling "
-             f"{doc['ceilings']['matmul_fp16_tflops']:.0f} TFLOP/s). Time in ms (useful TFLOP/s).",
+             f"torch {doc['torch']}; measured fp16 matmul ceiling {ceil:.0f} TFLOP/s). "
+             f"Eager calls, cold L2, median ms (useful TFLOP/s); last columns: CUDA-graph replay "
+             f"of the best cutekern design and its fraction of the ceiling.",
              "",
-             "| case | B | ratio | " + " | ".join(cols) + " | best cutekern vs padded decomposed |",
-             "|---|---|---|" + "---|" * len(cols) + "---|"]
+             "| case | B | ratio | " + " | ".join(cols) + " | cutekern vs padded decomposed | graph replay | of ceiling |",
+             "|---|---|---|" + "---|" * len(cols) + "---|---|---|"]
     for c in doc["cases"]:
         best = min((c["timings_ms"][f"cutekern_{d}"] for d in designs), default=None)
         sp = c["timings_ms"]["decomposed_padded"] / best if best else float("nan")
+        g = c.get("graph_timings_ms", {})
+        gbest = min((g[f"cutekern_{d}"] for d in designs if f"cutekern_{d}" in g), default=None)
+        gtxt = f"{gbest:.3f} ({c['graph_tflops'][min((k for k in g if k.startswith('cutekern')), key=g.get)]:.0f})" if gbest else "-"
+        frac = f"{max(v for k, v in c.get('graph_tflops', c['tflops']).items() if k.startswith('cutekern')) / ceil:.0%}"
         lines.append(f"| {c['name']} | {c['shape']['B']} | {c['shape']['ratio']} | " + " | ".join(
-            f"{c['timings_ms'][k]:.3f} ({c['tflops'][k]:.0f})" for k in cols) + f" | {sp:.2f}x |")
+            f"{c['timings_ms'][k]:.3f} ({c['tflops'][k]:.0f})" for k in cols) + f" | {sp:.2f}x | {gtxt} | {frac} |")
     return "\n".join(lines)
 
 

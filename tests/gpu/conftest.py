@@ -1,4 +1,4 @@
-import os
+"""GPU tests: collected only where torch sees a CUDA device."""
 
 import pytest
 import torch
