@@ -15,13 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CONFIGS = {
     "sm90": {
         "default": {},
-        "ldg_addend": {"addend_tma": False},
-        "ab3_add3": {"ab_stages": 3, "addend_stages": 3},
-        "c11": {"cluster_n": 1},
-    },
-    "ada": {
-        "default": {},
-        "w4x2": {"warps_m": 4},
+        "c22": {"cluster_m": 2},
+        "c12": {"cluster_n": 1, "cluster_m": 2},
+        "m112": {"tile_m": 112, "epi_m": 16},
+        "m112_c11": {"tile_m": 112, "epi_m": 16, "cluster_n": 1},
     },
 }
 
