@@ -160,8 +160,8 @@ def _launch(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out, check=True):
     from .dispatch import get_function
     b, kc, n = e_cand.shape
     u, ku, _ = e_user.shape
-    if b == 0:
-        return out
+    if b == 0 or n == 0 or w_cand_p.shape[0] == 0:
+        return out  # nothing to compute (TMA descriptors cannot describe empty extents)
     ab = _DTYPES[w_cand_p.dtype]
     dev = e_cand.device
     if ku == 0:

@@ -131,3 +131,19 @@ def test_fuzz(design, data):
     ku = data.draw(st.integers(1, 1200))
     args = make_problem(counts, m, n, kc, ku, dtype, seed=data.draw(st.integers(0, 2**31 - 1)))
     check(run_poisoned(args, dtype), args, dtype)
+
+
+@pytest.mark.parametrize("m,n,kc,ku", [(0, 16, 8, 8), (5, 16, 0, 9), (5, 16, 11, 0)])
+def test_empty_extents(design, m, n, kc, ku):
+    """M=0, K_cand=0 or K_user=0: no kernel can describe an empty extent; the op still
+    returns the right (possibly empty) result."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    dt = torch.float16
+    c2u = torch.tensor([0, 1, 1], dtype=torch.int32, device="cuda")
+    args = (torch.randn(m, kc, device="cuda", generator=g).to(dt), torch.randn(m, ku, device="cuda", generator=g).to(dt),
+            torch.randn(3, kc, n, device="cuda", generator=g).to(dt), torch.randn(2, ku, n, device="cuda", generator=g).to(dt), c2u)
+    out = linear_compression(*args)
+    torch.cuda.synchronize()
+    ref = lce_reference(*args)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=1e-3)
