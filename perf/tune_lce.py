@@ -15,10 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CONFIGS = {
     "sm90": {
         "default": {},
-        "c22": {"cluster_m": 2},
-        "c12": {"cluster_n": 1, "cluster_m": 2},
-        "m112": {"tile_m": 112, "epi_m": 16},
-        "m112_c11": {"tile_m": 112, "epi_m": 16, "cluster_n": 1},
+        "c22_n128": {"cluster_m": 2, "num_ctas": 128},
+        "c22_n120": {"cluster_m": 2, "num_ctas": 120},
+        "c22_n112": {"cluster_m": 2, "num_ctas": 112},
+        "c22_n104": {"cluster_m": 2, "num_ctas": 104},
     },
 }
 
