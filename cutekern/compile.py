@@ -133,7 +133,12 @@ def _compile_into(key: KernelKey, out: Path) -> dict:
     cubins = sorted(dump.glob("*.cubin"))
     if not cubins:
         raise RuntimeError(f"{key.prefix}: the compiler kept no cubin")
-    sass = "\n".join(disassemble(c) for c in cubins)
+    try:
+        sass = "\n".join(disassemble(c) for c in cubins)
+        sass_ok = True
+    except RuntimeError:
+        # JIT users need no disassembler; export refuses such entries (see build)
+        sass, sass_ok = "", False
     (out / "kernel.sass").write_text(sass)
     shutil.rmtree(dump)
     found = sass_opcodes(sass)
@@ -143,7 +148,7 @@ def _compile_into(key: KernelKey, out: Path) -> dict:
         **key.as_dict(), "prefix": key.prefix, "digest": key.digest,
         "dsl_version": dsl_version(), "source_hash": source_hash(key.op, key.design),
         "compile_seconds": round(seconds, 2),
-        "sass": {"required": list(required), "forbidden": list(forbidden),
+        "sass": {"disassembled": sass_ok, "required": list(required), "forbidden": list(forbidden),
                  "required_found": [f for f in required if any(o.startswith(f) for o in found)],
                  "forbidden_found": [f for f in forbidden if f in found]},
         "abi": [a.to_json() for a in abi_for(key)],
@@ -155,16 +160,25 @@ def _compile_into(key: KernelKey, out: Path) -> dict:
 _memory: dict = {}
 
 
-def build(key: KernelKey, *, use_disk: bool = True) -> Path:
-    """Compile (or fetch from cache) one variant; returns its entry directory."""
-    if key in _memory:
+def _usable(entry: Path, need_sass: bool) -> bool:
+    meta = entry / "meta.json"
+    if not meta.exists():
+        return False
+    return not need_sass or json.loads(meta.read_text())["sass"].get("disassembled", True)
+
+
+def build(key: KernelKey, *, use_disk: bool = True, need_sass: bool = False) -> Path:
+    """Compile (or fetch from cache) one variant; returns its entry directory.
+    ``need_sass``: the entry must carry a SASS listing (export); a cached entry compiled
+    where no disassembler was found is rebuilt."""
+    if key in _memory and _usable(_memory[key], need_sass):
         return _memory[key]
     final = entry_dir(key)
-    if use_disk and (final / "meta.json").exists():
+    if use_disk and _usable(final, need_sass):
         _memory[key] = final
         return final
     with _locked(final.parent / (final.name + ".lock")):
-        if not (use_disk and (final / "meta.json").exists()):
+        if not (use_disk and _usable(final, need_sass)):
             tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
             try:
                 _compile_into(key, tmp)

@@ -36,9 +36,12 @@ def export(arches, out_dir, *, ops=None, designs=None, overrides=None, log=print
               f"{'/'.join(v for _, v in key.dtypes)} {dict(key.flags)}"
         t0 = time.time()
         try:
-            entry = ck.build(key)
+            entry = ck.build(key, need_sass=True)
             meta = ck.read_meta(entry)
             sass = meta["sass"]
+            if not sass.get("disassembled", True):
+                raise ExportError("no SASS listing: install nvidia-cuda-nvdisasm (pip) or put "
+                                  "nvdisasm on PATH")
             missing = sorted(set(sass["required"]) - set(sass["required_found"]))
             if missing or sass["forbidden_found"]:
                 raise ExportError(f"SASS fingerprint check failed: missing {missing}, "
