@@ -12,7 +12,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from .arch import target_arch, target_design
+from .arch import ENV_ARCH, ENV_DESIGN, target_arch, target_design
 from .runtime import CuteKernRuntimeError, KernelFunction, Manifest, _library
 
 ENV_ARTIFACTS = "CUTEKERN_ARTIFACTS"
@@ -38,8 +38,7 @@ def dsl_available() -> bool:
 def get_function(op: str, dtypes: dict, flags: dict, device=None) -> KernelFunction:
     """The compiled function for (op, dtypes, flags) on ``device``'s target. Cached per
     (device, environment overrides): this sits on every call's host path."""
-    env = (os.environ.get("CUTEKERN_ARCH"), os.environ.get("CUTEKERN_DESIGN"),
-           os.environ.get(ENV_ARTIFACTS))
+    env = (os.environ.get(ENV_ARCH), os.environ.get(ENV_DESIGN), os.environ.get(ENV_ARTIFACTS))
     dev = getattr(device, "index", device)
     return _cached_function(op, tuple(dtypes.items()), tuple(flags.items()), dev, env)
 

@@ -20,7 +20,6 @@ from pathlib import Path
 from .abi import DTYPE_BYTES
 
 ENV_LIB = "CUTEKERN_RUNTIME_LIB"
-ENV_ARTIFACTS = "CUTEKERN_ARTIFACTS"
 _INT32_MAX = 2**31 - 1
 
 
@@ -113,15 +112,12 @@ def tensor_struct(rank: int):
     return _struct_cache[rank]
 
 
-_TORCH_NAMES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "int32": "int32"}
-
-
 def _validate_tensor(spec: dict, t, where: str, device, require_cuda=True):
     import torch
     name = spec["name"]
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
-    want = getattr(torch, _TORCH_NAMES[spec["dtype"]])
+    want = getattr(torch, spec["dtype"])  # manifest dtype names are torch attribute names
     if t.dtype != want:
         raise TypeError(f"{where}: argument '{name}' must be {want}, got {t.dtype}")
     if t.dim() != spec["rank"]:
