@@ -62,3 +62,30 @@ def lce_gemm_abi(ab_dtype: str, c_dtype: str) -> tuple:
         TensorArg("idx", "int32", 1, align=1),
         StreamArg(),
     )
+
+
+def ikbo_attention_abi(dtype: str) -> tuple:
+    """ABI of IKBO candidate-over-user attention (one head dim per compiled variant).
+
+    Rows r index (candidate, seed) pairs: r = b * n_seed + s. A user's candidates are
+    contiguous, so its query rows form one contiguous range; the work list cuts every
+    user's range into chunks of at most ``block_m`` rows (config), never mixing users.
+      q     (R, H, D)        dtype    queries, D contiguous
+      k, v  (U, S, H, D)     dtype    per-user keys/values, padded to S = S_max
+      kv_len (U,)            int32    valid keys of each user (0..S)
+      work  (W, 3)           int32    (user, row_begin, row_end) per chunk; user < 0: skip
+      scale (1,)             float32  softmax scale
+      out   (R, H, D)        dtype
+      lse   (R, H)           float32  natural-log log-sum-exp of the scaled scores
+    """
+    return (
+        TensorArg("q", dtype, 3, align=8),
+        TensorArg("k", dtype, 4, align=8),
+        TensorArg("v", dtype, 4, align=8),
+        TensorArg("kv_len", "int32", 1, align=1),
+        TensorArg("work", "int32", 2, align=1),
+        TensorArg("scale", "float32", 1, align=1),
+        TensorArg("out", dtype, 3, align=8),
+        TensorArg("lse", "float32", 2, align=1),
+        StreamArg(),
+    )

@@ -10,6 +10,8 @@ partials [U, M, N], then the candidate GEMM whose epilogue adds the partial tile
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .reference import pad_k
@@ -209,3 +211,122 @@ def _lce_out_op(w_cand_p: torch.Tensor, w_user_p: torch.Tensor, e_cand: torch.Te
 @_lce_out_op.register_fake
 def _(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out, check_indices):
     return None
+
+
+# ====================================================================== attention
+_ATTN_HEAD_DIMS = (64, 128)
+
+
+def _attn_err(name, msg):
+    return ValueError(f"ikbo.attention: argument '{name}' {msg}")
+
+
+def _validate_attention(q, k, v, cand_to_user, kv_len):
+    for name, t, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("cand_to_user", cand_to_user, 1)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"ikbo.attention: argument '{name}' must be a torch.Tensor")
+        if t.dim() != rank:
+            raise _attn_err(name, f"must be {rank}-D, got shape {tuple(t.shape)}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"ikbo.attention: argument 'q' must be float16 or bfloat16, got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"ikbo.attention: argument '{name}' must have dtype {q.dtype} like q, got {t.dtype}")
+    if cand_to_user.dtype != torch.int32:
+        raise TypeError(f"ikbo.attention: argument 'cand_to_user' must be int32, got {cand_to_user.dtype}")
+    b, n_seed, h, d = q.shape
+    u, s_max, hk, dk = k.shape
+    if d not in _ATTN_HEAD_DIMS:
+        raise _attn_err("q", f"head dim {d} is not supported (supported: {_ATTN_HEAD_DIMS})")
+    if (hk, dk) != (h, d):
+        raise _attn_err("k", f"must have H={h}, D={d} like q, got shape {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise _attn_err("v", f"must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if cand_to_user.shape[0] != b:
+        raise _attn_err("cand_to_user", f"must have B={b} entries like q, got {cand_to_user.shape[0]}")
+    if b > 0 and u == 0:
+        raise _attn_err("k", "has 0 users but there are candidates")
+    if kv_len is not None:
+        if not isinstance(kv_len, torch.Tensor) or kv_len.dtype != torch.int32 or tuple(kv_len.shape) != (u,):
+            raise _attn_err("kv_len", f"must be an int32 tensor of shape ({u},)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise _attn_err(name, "must be contiguous in its last dim (D)")
+        for i in range(t.dim() - 1):
+            if t.shape[i] > 1 and t.stride(i) % 8 != 0:
+                raise _attn_err(name, f"stride {t.stride(i)} of dim {i} must be a multiple of 8 elements")
+        if not torch.compiler.is_compiling() and t.numel() and t.data_ptr() % 16 != 0:
+            raise _attn_err(name, "data pointer must be 16-byte aligned")
+    if n_seed > 1 and b > 1 and q.stride(0) != n_seed * q.stride(1):
+        raise _attn_err("q", "must have its (candidate, seed) dims mergeable (stride(0) == n_seed * stride(1))")
+    dev = q.device
+    for name, t in (("k", k), ("v", v), ("cand_to_user", cand_to_user), ("kv_len", kv_len)):
+        if t is not None and t.device != dev:
+            raise _attn_err(name, f"is on {t.device}, q on {dev}")
+    if dev.type != "cuda":
+        raise _attn_err("q", f"must be on a CUDA device, got {dev} (cutekern.reference has the reference)")
+
+
+def attention(q, k, v, cand_to_user, kv_len=None, scale=None, return_lse=False, *, check_indices=True):
+    """IKBO candidate-over-user attention (non-causal), without broadcasting K/V.
+
+    q [B, n_seed, H, D] per candidate; k, v [U, S_max, H, D] per user (padded);
+    cand_to_user int32 [B] non-decreasing in [0, U); kv_len int32 [U] (default S_max).
+    out[b] = softmax(q[b] k[u]^T * scale) v[u], u = cand_to_user[b]; scale defaults to
+    D**-0.5. Returns out [B, n_seed, H, D] (input dtype) and, with return_lse, the fp32
+    natural-log LSE [B, H, n_seed]. fp16/bf16, D in {64, 128}; any n_seed, ragged counts,
+    users with 0 candidates and kv_len 0 (out 0, lse -inf) are fine.
+    """
+    _validate_attention(q, k, v, cand_to_user, kv_len)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    if torch.compiler.is_compiling():
+        out, lse = torch.ops.cutekern.ikbo_attention(q, k, v, cand_to_user, kv_len, scale, check_indices)
+    else:
+        out, lse = _attention_impl(q, k, v, cand_to_user, kv_len, scale, check_indices)
+    return (out, lse) if return_lse else out
+
+
+def _check_kv_len(kv_len, s_max):
+    if kv_len is None or kv_len.numel() == 0 or torch.cuda.is_current_stream_capturing():
+        return
+    bad = ((kv_len < 0) | (kv_len > s_max)).any().item()
+    if bad:
+        raise _attn_err("kv_len", f"has values outside [0, S_max={s_max}]")
+
+
+def _attention_impl(q, k, v, cand_to_user, kv_len, scale, check_indices):
+    from ._attn_work import build_work
+    from .dispatch import get_function
+    b, n_seed, h, d = q.shape
+    u, s_max = k.shape[0], k.shape[1]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse_rh = torch.empty(b * n_seed, h, dtype=torch.float32, device=q.device)
+    if os.environ.get("CUTEKERN_POISON"):
+        # debug aid ($CUTEKERN_POISON=1): NaN-fill outputs so an unwritten element shows
+        out.fill_(float("nan"))
+        lse_rh.fill_(float("nan"))
+    if b == 0 or n_seed == 0 or h == 0:
+        return out, lse_rh.view(b, n_seed, h).permute(0, 2, 1).contiguous()
+    if check_indices:
+        _check_indices(cand_to_user, u)
+        _check_kv_len(kv_len, s_max)
+    if kv_len is None:
+        kv_len = torch.full((u,), s_max, dtype=torch.int32, device=q.device)
+    fn = get_function("ikbo_attn", {"dtype": _DTYPES[q.dtype]}, {"head_dim": d}, q.device)
+    block_m = int(fn.meta["config"]["block_m"])
+    work = build_work(cand_to_user, u, n_seed, block_m)
+    scale_t = torch.full((1,), scale, dtype=torch.float32, device=q.device)
+    fn(q.reshape(b * n_seed, h, d), k, v, kv_len, work, scale_t, out.view(b * n_seed, h, d), lse_rh)
+    return out, lse_rh.view(b, n_seed, h).permute(0, 2, 1).contiguous()
+
+
+@torch.library.custom_op("cutekern::ikbo_attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cand_to_user: torch.Tensor,
+                  kv_len: torch.Tensor | None, scale: float, check_indices: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _attention_impl(q, k, v, cand_to_user, kv_len, scale, check_indices)
+
+
+@_attention_op.register_fake
+def _(q, k, v, cand_to_user, kv_len, scale, check_indices):
+    b, n_seed, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty(b, h, n_seed, dtype=torch.float32)

@@ -49,3 +49,29 @@ def lce_decomposed_padded(w_cand_p, w_user_p, e_cand_p, e_user_p, cand_to_user):
     weights padded once, embeddings produced K-padded upstream (``pad_k_rows``), so cuBLAS
     runs its aligned kernels. Zero padding leaves the result unchanged."""
     return lce_decomposed(w_cand_p, w_user_p, e_cand_p, e_user_p, cand_to_user)
+
+
+def ikbo_attention_reference(q, k, v, cand_to_user, kv_len=None, scale=None,
+                             acc_dtype=torch.float32):
+    """out[b] = softmax(q[b] k[u]^T * scale) v[u], u = cand_to_user[b], keys >= kv_len[u]
+    masked; also lse [B, H, n_seed] (natural log). A user with kv_len 0 gives out 0,
+    lse -inf. Computed per user in ``acc_dtype`` (never materializes a K/V broadcast)."""
+    b, n_seed, h, d = q.shape
+    u_count, s_max = k.shape[0], k.shape[1]
+    scale = d ** -0.5 if scale is None else scale
+    if kv_len is None:
+        kv_len = torch.full((u_count,), s_max, dtype=torch.int32, device=q.device)
+    out = torch.zeros(b, n_seed, h, d, dtype=acc_dtype, device=q.device)
+    lse = torch.full((b, h, n_seed), float("-inf"), dtype=acc_dtype, device=q.device)
+    c2u = cand_to_user.long()
+    for u in torch.unique(c2u).tolist():
+        n = int(kv_len[u])
+        rows = torch.nonzero(c2u == u).flatten()
+        if n == 0 or rows.numel() == 0:
+            continue
+        qu = q[rows].to(acc_dtype)                      # [c, s, h, d]
+        ku, vu = k[u, :n].to(acc_dtype), v[u, :n].to(acc_dtype)  # [n, h, d]
+        s = torch.einsum("cshd,nhd->chsn", qu, ku) * scale
+        lse[rows] = torch.logsumexp(s, dim=-1)
+        out[rows] = torch.einsum("chsn,nhd->cshd", torch.softmax(s, dim=-1), vu)
+    return out, lse

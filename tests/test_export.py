@@ -35,8 +35,14 @@ def test_manifest_lists_every_variant_for_every_arch(exported):
     assert on_disk["kernels"] == json.loads(json.dumps(manifest["kernels"], default=str))
     got = {(e["op"], e["design"], e["arch"], tuple(sorted(e["dtypes"].items())),
             tuple(sorted(e["flags"].items()))) for e in on_disk["kernels"]}
-    n_designs = {"sm_80": 1, "sm_89": 1, "sm_90a": 2, "sm_100a": 1, "sm_103a": 1}
-    assert len(got) == len(on_disk["kernels"]) == sum(n_designs.values()) * len(OPS["lce_gemm"].variants)
+    from cutekern.arch import DESIGNS_FOR_ARCH
+    want = sum(len(op.variants) for arch in ARCHES for d in DESIGNS_FOR_ARCH[arch]
+               for op in OPS.values() if d in op.designs)
+    assert len(got) == len(on_disk["kernels"]) == want
+    # every arch carries every LCE variant
+    for arch in ARCHES:
+        n = sum(e["arch"] == arch and e["op"] == "lce_gemm" for e in on_disk["kernels"])
+        assert n == len(DESIGNS_FOR_ARCH[arch]) * len(OPS["lce_gemm"].variants)
     for e in on_disk["kernels"]:
         assert (out / e["object"]).stat().st_size > 0 and (out / e["header"]).exists()
         assert e["prefix"] in (out / e["header"]).read_text()

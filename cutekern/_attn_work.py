@@ -1,0 +1,35 @@
+"""Work list of IKBO attention: each user's query rows cut into chunks of <= block_m rows.
+
+Built with a handful of torch ops on the device and no host sync (CUDA-graph safe): the
+list has a fixed upper-bound length, unused entries carry user -1.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def max_chunks(num_cands: int, n_seed: int, num_users: int, block_m: int) -> int:
+    # a user's rows cost ceil(rows / block_m) <= rows / block_m + 1 chunks
+    return -(-num_cands * n_seed // block_m) + num_users
+
+
+def build_work(cand_to_user: torch.Tensor, num_users: int, n_seed: int, block_m: int) -> torch.Tensor:
+    """int32 [W, 3] of (user, row_begin, row_end); rows r = b * n_seed + s."""
+    dev = cand_to_user.device
+    b = cand_to_user.numel()
+    w = max_chunks(b, n_seed, num_users, block_m)
+    c2u = cand_to_user.long()
+    counts = torch.bincount(c2u, minlength=num_users)[:num_users]
+    first_cand = torch.cumsum(counts, 0) - counts
+    rows = counts * n_seed
+    chunks = (rows + block_m - 1) // block_m
+    chunk_end = torch.cumsum(chunks, 0)
+    j = torch.arange(w, device=dev)
+    user = torch.searchsorted(chunk_end, j, right=True)
+    valid = user < num_users
+    user_c = user.clamp(max=max(num_users - 1, 0))
+    local = j - (chunk_end[user_c] - chunks[user_c])
+    begin = first_cand[user_c] * n_seed + local * block_m
+    end = torch.minimum(begin + block_m, (first_cand[user_c] + counts[user_c]) * n_seed)
+    work = torch.stack([torch.where(valid, user_c, -1), begin, end], dim=1)
+    return work.to(torch.int32)

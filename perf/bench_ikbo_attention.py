@@ -1,0 +1,103 @@
+"""IKBO attention benchmark on one GPU: cutekern against SDPA (flash and cuDNN) on
+pre-broadcast K/V, the same including the broadcast, and cuDNN on packed queries (uniform
+counts only), all timed in the same run with a cold L2. FLOPs = 4*B*H*n_seed*D*sum(kv_len)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import measured_ceilings, time_ms, write_results  # noqa: E402
+
+from cutekern.arch import DESIGNS_FOR_ARCH, target_arch  # noqa: E402
+from cutekern.ikbo import attention  # noqa: E402
+
+B, NSEED, H, D, PER_USER = 2048, 64, 2, 128, 64
+
+
+def sdpa(q, k, v, backend):
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def run_case(s, ragged, designs, reps):
+    torch.manual_seed(s)
+    dt = torch.bfloat16
+    if ragged:
+        counts = PER_USER + torch.randint(0, 2, (B // PER_USER,))
+        kv_len = torch.randint(s // 2, s + 1, (counts.numel(),), dtype=torch.int32)
+    else:
+        counts = torch.full((B // PER_USER,), PER_USER)
+        kv_len = torch.full((counts.numel(),), s, dtype=torch.int32)
+    u = counts.numel()
+    c2u = torch.repeat_interleave(torch.arange(u), counts).int().cuda()
+    b = c2u.numel()
+    kv_len = kv_len.cuda()
+    q = torch.randn(b, NSEED, H, D, device="cuda", dtype=dt)
+    k = torch.randn(u, s, H, D, device="cuda", dtype=dt)
+    v = torch.randn(u, s, H, D, device="cuda", dtype=dt)
+    flops = 4 * H * NSEED * D * float((counts.cuda() * kv_len).sum())
+    timings = {}
+    for d in designs:
+        import os
+        os.environ["CUTEKERN_DESIGN"] = d
+        timings[f"cutekern_{d}"] = time_ms(lambda: attention(q, k, v, c2u, kv_len, check_indices=False), reps=reps)
+    if not ragged:
+        # SDPA layout [batch, heads, seq, dim]
+        qs = q.permute(0, 2, 1, 3)
+        kb = k.permute(0, 2, 1, 3).index_select(0, c2u.long())
+        vb = v.permute(0, 2, 1, 3).index_select(0, c2u.long())
+        for name, be in (("sdpa_flash_prebroadcast", SDPBackend.FLASH_ATTENTION),
+                         ("sdpa_cudnn_prebroadcast", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                timings[name] = time_ms(lambda: sdpa(qs, kb, vb, be), reps=reps)
+            except RuntimeError as e:
+                print(f"{name}: unavailable ({str(e)[:80]})")
+        del kb, vb
+
+        def bcast_cudnn():
+            kb2 = k.permute(0, 2, 1, 3).index_select(0, c2u.long())
+            vb2 = v.permute(0, 2, 1, 3).index_select(0, c2u.long())
+            return sdpa(qs, kb2, vb2, SDPBackend.CUDNN_ATTENTION)
+        try:
+            timings["broadcast_plus_sdpa_cudnn"] = time_ms(bcast_cudnn, reps=reps)
+        except RuntimeError as e:
+            print(f"broadcast+cudnn unavailable ({str(e)[:80]})")
+        # packed: each user's candidates' queries as one sequence (uniform counts only)
+        qp = q.view(u, PER_USER * NSEED, H, D).permute(0, 2, 1, 3)
+        kp, vp = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+        try:
+            timings["sdpa_cudnn_packed"] = time_ms(lambda: sdpa(qp, kp, vp, SDPBackend.CUDNN_ATTENTION), reps=reps)
+        except RuntimeError as e:
+            print(f"cudnn packed unavailable ({str(e)[:80]})")
+    tflops = {kk: flops / t / 1e9 for kk, t in timings.items()}
+    return {"name": f"{'ragged' if ragged else 'uniform'}_S{s}",
+            "shape": {"B": b, "n_seed": NSEED, "H": H, "D": D, "S": s, "U": u, "ragged": ragged},
+            "timings_ms": timings, "tflops": tflops}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=10)
+    a = ap.parse_args()
+    designs = [d for d in ("sm90", "ada") if d in DESIGNS_FOR_ARCH[target_arch()]]
+    ceil = measured_ceilings()
+    sizes = [1024, 4096, 8192] if a.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    cases = [run_case(s, False, designs, a.reps) for s in sizes]
+    cases += [run_case(s, True, designs, a.reps) for s in (4096, 8192)]
+    path = write_results("ikbo_attention", cases, a.out, {"ceilings": ceil, "designs": designs})
+    for c in cases:
+        print(f"{c['name']:14s} " + "  ".join(f"{k}={v:.3f}ms/{c['tflops'][k]:.0f}TF" for k, v in c["timings_ms"].items()))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

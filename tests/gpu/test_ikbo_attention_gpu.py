@@ -1,0 +1,75 @@
+"""IKBO attention on the GPU against the fp32 reference: uniform and ragged candidate counts,
+ragged kv_len (0, 1, S_max), users with 0 candidates, n_seed off the tile, LSE, poisoned
+outputs ($CUTEKERN_POISON makes the op NaN-fill its outputs first), hypothesis fuzz."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from cutekern.ikbo import attention
+from cutekern.reference import ikbo_attention_reference
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setenv("CUTEKERN_POISON", "1")
+
+
+def problem(counts, n_seed, h, d, s_max, kv, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    u = len(counts)
+    c2u = torch.repeat_interleave(torch.arange(u, device="cuda"), torch.tensor(counts, device="cuda")).int()
+    b = c2u.numel()
+    q = torch.randn(b, n_seed, h, d, device="cuda", generator=g).to(dtype)
+    k = torch.randn(u, s_max, h, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(u, s_max, h, d, device="cuda", generator=g).to(dtype)
+    kv_len = torch.tensor(kv, dtype=torch.int32, device="cuda")
+    return q, k, v, c2u, kv_len
+
+
+def check(q, k, v, c2u, kv_len, scale=None):
+    out, lse = attention(q, k, v, c2u, kv_len, scale=scale, return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse = ikbo_attention_reference(q, k, v, c2u, kv_len, scale=scale)
+    assert not torch.isnan(out).any(), "unwritten or NaN outputs"
+    eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[q.dtype]
+    err = (out.float() - ref).abs()
+    bound = 4 * eps * ref.abs() + 8 * eps
+    assert not (err > bound).any(), f"max err {err.max().item():.3g}"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse)), "lse -inf pattern differs"
+    torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=1e-3, atol=1e-3 + 16 * eps)
+
+
+DT = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize("d", [64, 128])
+def test_uniform(design, dtype, d):
+    counts = [8] * 4
+    check(*problem(counts, 64, 2, d, 1024, [1024, 700, 1, 513], dtype, seed=d))
+
+
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize("counts,n_seed,kv", [
+    ([3, 0, 5, 1], 64, [100, 50, 1, 257]),     # odd counts, a user without candidates
+    ([1], 5, [33]),                           # one candidate, n_seed off the tile
+    ([2, 7], 100, [0, 300]),                  # kv_len 0 -> out 0, lse -inf
+    ([0, 4, 0], 17, [10, 511, 1]),
+])
+def test_ragged(design, dtype, counts, n_seed, kv):
+    check(*problem(counts, n_seed, 2, 128, max(max(kv), 1), kv, dtype, seed=len(counts) + n_seed),
+          scale=0.07)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzz(design, data):
+    dtype = data.draw(st.sampled_from(DT))
+    d = data.draw(st.sampled_from([64, 128]))
+    counts = data.draw(st.lists(st.integers(0, 6), min_size=1, max_size=6).filter(lambda c: sum(c) > 0))
+    n_seed = data.draw(st.sampled_from([1, 7, 64, 65, 128]))
+    s_max = data.draw(st.integers(1, 1100))
+    kv = [data.draw(st.integers(0, s_max)) for _ in counts]
+    h = data.draw(st.integers(1, 3))
+    check(*problem(counts, n_seed, h, d, s_max, kv, dtype, seed=data.draw(st.integers(0, 2**31 - 1))))
