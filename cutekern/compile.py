@@ -114,6 +114,8 @@ def instantiate(key: KernelKey):
     kcls = getattr(mod, impl.kernel_class)
     if key.op == "lce_gemm":
         return kcls(dts["ab"], dts["c"], dict(key.flags)["has_addend"], cfg), mod
+    if key.op == "ikbo_attn":
+        return kcls(dts["dtype"], dict(key.flags)["head_dim"], cfg), mod
     raise KeyError(key.op)
 
 

@@ -279,6 +279,8 @@ def attention(q, k, v, cand_to_user, kv_len=None, scale=None, return_lse=False, 
     """
     _validate_attention(q, k, v, cand_to_user, kv_len)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    if not scale > 0:  # the kernels keep the running max on raw scores
+        raise _attn_err("scale", f"must be a positive finite number, got {scale}")
     if torch.compiler.is_compiling():
         out, lse = torch.ops.cutekern.ikbo_attention(q, k, v, cand_to_user, kv_len, scale, check_indices)
     else:

@@ -68,6 +68,11 @@ def _lce_variants():
     return tuple(out)
 
 
+def _attn_variants():
+    return tuple(((("dtype", dt),), (("head_dim", d),))
+                 for dt in ("float16", "bfloat16") for d in (64, 128))
+
+
 OPS: dict = {
     "lce_gemm": OpSpec(
         name="lce_gemm",
@@ -79,6 +84,16 @@ OPS: dict = {
         },
         variants=_lce_variants(),
         doc="IKBO linear compression: batched GEMM with stride-0 weight and gathered addend",
+    ),
+    "ikbo_attn": OpSpec(
+        name="ikbo_attn",
+        abi=lambda dtype: _abi.ikbo_attention_abi(dtype),
+        designs={
+            "sm90": DesignImpl("kernels.sm90.ikbo_attn", "IkboAttnSm90", "IkboAttnSm90Config"),
+            "ada": DesignImpl("kernels.ada.ikbo_attn", "IkboAttnAda", "IkboAttnAdaConfig"),
+        },
+        variants=_attn_variants(),
+        doc="IKBO attention: candidate queries over the unbroadcast user K/V (no sm100 design yet)",
     ),
 }
 

@@ -57,7 +57,22 @@ def plot_lce(doc: dict, path: Path):
     print(f"wrote {path}")
 
 
-TABLES = {"lce": (lce_table, plot_lce)}
+def attention_table(doc: dict) -> str:
+    cols = sorted({k for c in doc["cases"] for k in c["timings_ms"]},
+                  key=lambda k: (not k.startswith("cutekern"), k))
+    lines = [f"**IKBO attention** on {doc['device']} (commit `{doc['git_commit'][:10]}`, "
+             f"{doc['date'][:10]}; B=2048, n_seed=64, H=2, D=128, bf16, 64 candidates per user; "
+             f"ragged: counts 64 + 0/1, kv_len uniform in [S/2, S]). ms (TFLOP/s); '-' = not "
+             f"applicable.", "",
+             "| case | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for c in doc["cases"]:
+        t, f = c["timings_ms"], c["tflops"]
+        lines.append(f"| {c['name']} | " + " | ".join(
+            f"{t[k]:.3f} ({f[k]:.0f})" if k in t else "-" for k in cols) + " |")
+    return "\n".join(lines)
+
+
+TABLES = {"lce": (lce_table, plot_lce), "ikbo_attention": (attention_table, None)}
 
 
 def main() -> int:
@@ -68,7 +83,8 @@ def main() -> int:
             continue
         doc = json.loads(f.read_text())
         parts.append(table(doc))
-        plot(doc, RESULTS / f"{op}.png")
+        if plot is not None:
+            plot(doc, RESULTS / f"{op}.png")
     readme = ROOT / "README.md"
     text = readme.read_text()
     if BEGIN not in text:
