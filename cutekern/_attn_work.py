@@ -18,9 +18,11 @@ def build_work(cand_to_user: torch.Tensor, num_users: int, n_seed: int, block_m:
     dev = cand_to_user.device
     b = cand_to_user.numel()
     w = max_chunks(b, n_seed, num_users, block_m)
-    c2u = cand_to_user.long()
-    counts = torch.bincount(c2u, minlength=num_users)[:num_users]
-    first_cand = torch.cumsum(counts, 0) - counts
+    # c2u is non-decreasing: each user's candidates are one range; searchsorted finds it
+    # without the host sync bincount would need (so this is CUDA-graph capturable)
+    users = torch.arange(num_users, device=dev, dtype=cand_to_user.dtype)
+    first_cand = torch.searchsorted(cand_to_user, users)
+    counts = torch.searchsorted(cand_to_user, users, right=True) - first_cand
     rows = counts * n_seed
     chunks = (rows + block_m - 1) // block_m
     chunk_end = torch.cumsum(chunks, 0)

@@ -73,3 +73,25 @@ def test_fuzz(design, data):
     kv = [data.draw(st.integers(0, s_max)) for _ in counts]
     h = data.draw(st.integers(1, 3))
     check(*problem(counts, n_seed, h, d, s_max, kv, dtype, seed=data.draw(st.integers(0, 2**31 - 1))))
+
+
+def test_cuda_graph_and_compile(design):
+    q, k, v, c2u, kv_len = problem([3, 0, 2], 64, 2, 128, 256, [256, 0, 100], torch.bfloat16, seed=9)
+    out = attention(q, k, v, c2u, kv_len, check_indices=False)  # warm-up loads the kernel
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = attention(q, k, v, c2u, kv_len, check_indices=False)
+    fresh = problem([3, 0, 2], 64, 2, 128, 256, [256, 0, 100], torch.bfloat16, seed=10)
+    q.copy_(fresh[0])
+    k.copy_(fresh[1])
+    g.replay()
+    torch.cuda.synchronize()
+    ref, _ = ikbo_attention_reference(q, k, v, c2u, kv_len)
+    assert (out.float() - ref).abs().max().item() < 0.05
+    f = torch.compile(lambda a, b, c, d, e: attention(a, b, c, d, e, return_lse=True), fullgraph=True)
+    out2, lse2 = f(q, k, v, c2u, kv_len)
+    ref, rlse = ikbo_attention_reference(q, k, v, c2u, kv_len)
+    assert (out2.float() - ref).abs().max().item() < 0.05
+    fin = torch.isfinite(rlse)
+    assert torch.equal(fin, torch.isfinite(lse2))
