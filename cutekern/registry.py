@@ -91,9 +91,10 @@ OPS: dict = {
         designs={
             "sm90": DesignImpl("kernels.sm90.ikbo_attn", "IkboAttnSm90", "IkboAttnSm90Config"),
             "ada": DesignImpl("kernels.ada.ikbo_attn", "IkboAttnAda", "IkboAttnAdaConfig"),
+            "sm100": DesignImpl("kernels.sm100.ikbo_attn", "IkboAttnSm100", "IkboAttnSm100Config"),
         },
         variants=_attn_variants(),
-        doc="IKBO attention: candidate queries over the unbroadcast user K/V (no sm100 design yet)",
+        doc="IKBO attention: candidate queries over the unbroadcast user K/V",
     ),
 }
 

@@ -34,6 +34,7 @@ SASS_FORBIDDEN = ("HMMA",)
 
 _SMEM_CAPACITY = 227 * 1024  # sm_90 opt-in maximum per block
 _SMEM_RESERVED = 4 * 1024  # mbarriers + 1024-byte alignment of the three buffers
+_SMEM_RESERVED_V2 = 2 * 1024
 _WG_ROWS = 64  # WGMMA M per warpgroup
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -52,12 +53,30 @@ class IkboAttnSm90Config:
     block_n: int = 128
     kv_stages: int = 2
     zero_v_tail: bool = True
+    # ---- optional FA3-style modes (all off by default = the original kernel exactly).
+    # Any of them selects the v2 kernel, which always has separate K and V mbarrier rings
+    # (kv_stages deep each; K_j is consumed while V_j may still be landing).
+    split_kv: bool = False
+    # intra-warpgroup overlap: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are issued together,
+    # and the softmax of tile j+1 runs while P_j V_j is on the tensor core.
+    overlap_qk: bool = False
+    # inter-warpgroup ping-pong: named barriers make the two consumer warpgroups take turns
+    # issuing their WGMMAs, so one's softmax overlaps the other's GEMMs (block_m=128 only).
+    pingpong: bool = False
+    # > 0: persistent grid of min(#work items, persistent_ctas) CTAs, static stride loop over
+    # the (chunk, head) list (e.g. 132 = H200 SM count).
+    persistent_ctas: int = 0
+
+    @property
+    def v2(self) -> bool:
+        return self.split_kv or self.overlap_qk or self.pingpong or self.persistent_ctas > 0
 
 
 def _smem_bytes(head_dim: int, cfg: IkboAttnSm90Config) -> int:
     q = cfg.block_m * head_dim * 2
     kv = 2 * cfg.block_n * head_dim * 2 * cfg.kv_stages
-    return q + kv + _SMEM_RESERVED
+    # v2: mbarriers (< 1 KB) + padding to the 1024-aligned buffers (all multiples of 1 KB)
+    return q + kv + (_SMEM_RESERVED_V2 if cfg.v2 else _SMEM_RESERVED)
 
 
 class IkboAttnSm90:
@@ -92,6 +111,10 @@ class IkboAttnSm90:
         if config.block_n not in (64, 128):
             return False
         if config.kv_stages < 2:
+            return False
+        if config.pingpong and config.block_m != 128:
+            return False
+        if config.persistent_ctas < 0:
             return False
         # registers per consumer thread: O (D/2) + S (bn/2) + P (bn/4) + ~60 for the rest
         if head_dim // 2 + config.block_n // 2 + config.block_n // 4 + 60 > 240:
@@ -164,15 +187,49 @@ class IkboAttnSm90:
 
         self.shared_storage = SharedStorage
 
-        self.kernel(
-            qk_mma, pv_mma, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
-            kv_len, work, scale, out, lse, q_smem, k_smem, v_smem, q_bytes, kv_bytes,
-        ).launch(
-            grid=[W, H, 1],
-            block=[self.threads_per_cta, 1, 1],
-            min_blocks_per_mp=1,
-            stream=stream,
-        )
+        if cutlass.const_expr(not self.cfg.v2):
+            self.kernel(
+                qk_mma, pv_mma, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
+                kv_len, work, scale, out, lse, q_smem, k_smem, v_smem, q_bytes, kv_bytes,
+            ).launch(
+                grid=[W, H, 1],
+                block=[self.threads_per_cta, 1, 1],
+                min_blocks_per_mp=1,
+                stream=stream,
+            )
+        else:
+            @cute.struct
+            class SharedStorageV2:
+                q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+                k_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
+                v_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
+                sQ: cute.struct.Align[
+                    cute.struct.MemRange[self.dtype, cute.cosize(q_smem)],
+                    self.buffer_align_bytes]
+                sK: cute.struct.Align[
+                    cute.struct.MemRange[self.dtype, cute.cosize(k_smem)],
+                    self.buffer_align_bytes]
+                sV: cute.struct.Align[
+                    cute.struct.MemRange[self.dtype, cute.cosize(v_smem)],
+                    self.buffer_align_bytes]
+
+            self.shared_storage_v2 = SharedStorageV2
+            k_bytes = cute.size_in_bytes(self.dtype, k_one)
+            v_bytes = cute.size_in_bytes(self.dtype, v_one)
+            n_items = W * H
+            n_ctas = n_items
+            if cutlass.const_expr(self.cfg.persistent_ctas > 0):
+                n_ctas = cutlass.min(n_items, cutlass.Int32(self.cfg.persistent_ctas))
+            self.kernel_v2(
+                qk_mma, pv_mma, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
+                kv_len, work, scale, out, lse, q_smem, k_smem, v_smem, q_bytes, k_bytes,
+                v_bytes,
+            ).launch(
+                grid=[n_ctas, 1, 1],
+                block=[self.threads_per_cta, 1, 1],
+                min_blocks_per_mp=1,
+                stream=stream,
+            )
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -435,3 +492,409 @@ class IkboAttnSm90:
                             for c in cutlass.range_constexpr(2):
                                 e = c + 2 * i + 4 * b
                                 out[(grow, h, tOcO[e][1])] = (acc_o[e] * inv).to(self.dtype)
+
+    # ------------------------------------------------------- v2 device side (FA3 modes)
+    @cute.jit
+    def _mask_softmax(self, acc_s: cute.Tensor, tScS: cute.Tensor, valid: cutlass.Int32,
+                      row_max: cute.Tensor, row_sum: cute.Tensor, corr: cute.Tensor,
+                      scale_log2: cutlass.Float32):
+        """Mask keys >= valid, online softmax of acc_s in place (acc_s := exp values),
+        row_max / row_sum updated, corr[i] = rescale factor of O rows i (not applied)."""
+        bn = self.bn
+        n_s_blk = bn // 8
+        if valid < bn:
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                if tScS[e][1] >= valid:
+                    acc_s[e] = -cutlass.Float32.inf
+        for i in cutlass.range_constexpr(2):
+            m_old = row_max[i]
+            m_new = m_old
+            for b in cutlass.range_constexpr(n_s_blk):
+                for c in cutlass.range_constexpr(2):
+                    m_new = cute.arch.fmax(m_new, acc_s[c + 2 * i + 4 * b])
+            m_new = cute.arch.warp_reduction_max(m_new, threads_in_group=4)
+            m_use = m_new
+            if m_new == -cutlass.Float32.inf:
+                m_use = 0.0  # fully masked row so far: keep exp2 finite
+            corr[i] = cute.math.exp2((m_old - m_use) * scale_log2, fastmath=True)
+            row_max[i] = m_new
+            neg = m_use * scale_log2
+            s_part = cutlass.Float32(0.0)
+            for b in cutlass.range_constexpr(n_s_blk):
+                for c in cutlass.range_constexpr(2):
+                    e = c + 2 * i + 4 * b
+                    p = cute.math.exp2(acc_s[e] * scale_log2 - neg, fastmath=True)
+                    acc_s[e] = p
+                    s_part = s_part + p
+            row_sum[i] = row_sum[i] * corr[i] + s_part
+
+    @cute.jit
+    def _rescale_o(self, acc_o: cute.Tensor, corr: cute.Tensor):
+        n_o_blk = self.head_dim // 8
+        for i in cutlass.range_constexpr(2):
+            for b in cutlass.range_constexpr(n_o_blk):
+                for c in cutlass.range_constexpr(2):
+                    e = c + 2 * i + 4 * b
+                    acc_o[e] = acc_o[e] * corr[i]
+
+    @cute.kernel
+    def kernel_v2(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        tma_atom_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_atom_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        kv_len: cute.Tensor,
+        work: cute.Tensor,
+        scale: cute.Tensor,
+        out: cute.Tensor,
+        lse: cute.Tensor,
+        q_smem: cute.ComposedLayout,
+        k_smem: cute.ComposedLayout,
+        v_smem: cute.ComposedLayout,
+        q_bytes: cutlass.Constexpr,
+        k_bytes: cutlass.Constexpr,
+        v_bytes: cutlass.Constexpr,
+    ):
+        D = self.head_dim
+        bn = self.bn
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        nblk, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        W = work.shape[0]
+        n_items = W * out.shape[1]
+
+        if warp_idx == self.load_warp_id:
+            cpasync.prefetch_descriptor(tma_atom_q)
+            cpasync.prefetch_descriptor(tma_atom_k)
+            cpasync.prefetch_descriptor(tma_atom_v)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage_v2)
+
+        consumer_grp = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4)
+        q_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_mbar.data_ptr(),
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=consumer_grp,
+            tx_count=q_bytes,
+            defer_sync=True,
+        )
+        k_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.k_mbar.data_ptr(),
+            num_stages=self.kv_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=consumer_grp,
+            tx_count=k_bytes,
+            defer_sync=True,
+        )
+        v_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.v_mbar.data_ptr(),
+            num_stages=self.kv_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=consumer_grp,
+            tx_count=v_bytes,
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(q_smem.outer, swizzle=q_smem.inner)  # (64, D, WG)
+        sK = storage.sK.get_tensor(k_smem.outer, swizzle=k_smem.inner)  # (bn, D, ST)
+        sV = storage.sV.get_tensor(v_smem.outer, swizzle=v_smem.inner)  # (D, bn, ST)
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // self.num_threads_per_wg)
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+
+        # item range of this CTA: one item, or a static stride loop (persistent)
+        it_start = bid
+        it_step = n_items
+        if cutlass.const_expr(cfg.persistent_ctas > 0):
+            it_step = nblk
+
+        # -------------------------------------------------------- producer warp
+        if warp_idx == self.load_warp_id:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            k_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.kv_stages)
+            v_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.kv_stages)
+            for item in range(it_start, n_items, it_step):
+                j = item % W
+                h = item // W
+                u = work[(j, 0)]
+                if u >= 0:
+                    r0 = work[(j, 1)]
+                    kvl = kv_len[u]
+                    n_tiles = (kvl + (bn - 1)) // bn
+                    gQ = cute.local_tile(
+                        cute.domain_offset((r0, 0), mQ[(None, None, h)]), (_WG_ROWS, D),
+                        (None, 0))  # (64, D, nQ)
+                    tQsQ, tQgQ = cpasync.tma_partition(
+                        tma_atom_q, 0, cute.make_layout(1),
+                        cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+                    gK = cute.local_tile(mK[(None, None, h, u)], (bn, D), (None, 0))
+                    tKsK, tKgK = cpasync.tma_partition(
+                        tma_atom_k, 0, cute.make_layout(1),
+                        cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+                    gV = cute.local_tile(mV[(None, None, h, u)], (D, bn), (0, None))
+                    tVsV, tVgV = cpasync.tma_partition(
+                        tma_atom_v, 0, cute.make_layout(1),
+                        cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+                    # Q slot is free once both consumer warpgroups released the last item's
+                    q_pipe.producer_acquire(q_state)
+                    q_bar = q_pipe.producer_get_barrier(q_state)
+                    for w in cutlass.range_constexpr(self.num_mma_wg):
+                        cute.copy(tma_atom_q, tQgQ[(None, w)], tQsQ[(None, w)],
+                                  tma_bar_ptr=q_bar)
+                    q_pipe.producer_commit(q_state)
+                    q_state.advance()
+
+                    for t in range(n_tiles):
+                        k_pipe.producer_acquire(k_state)
+                        cute.copy(tma_atom_k, tKgK[(None, t)], tKsK[(None, k_state.index)],
+                                  tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
+                        k_pipe.producer_commit(k_state)
+                        k_state.advance()
+                        v_pipe.producer_acquire(v_state)
+                        cute.copy(tma_atom_v, tVgV[(None, t)], tVsV[(None, v_state.index)],
+                                  tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
+                        v_pipe.producer_commit(v_state)
+                        v_state.advance()
+            k_pipe.producer_tail(k_state)
+            v_pipe.producer_tail(v_state)
+
+        # --------------------------------------------------- consumer warpgroups
+        if wg_idx > 0:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            w = wg_idx - 1  # which 64-row half of the chunk
+            tid = tidx - self.num_threads_per_wg  # 0 .. num_mma_threads - 1
+            tid_wg = tidx % self.num_threads_per_wg
+            scale_f = scale[0]
+            scale_log2 = scale_f * _LOG2E
+
+            thr_qk = qk_mma.get_slice(tid_wg)
+            thr_pv = pv_mma.get_slice(tid_wg)
+            tSrQ = qk_mma.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA,1,D/16,WG)
+            tSrK = qk_mma.make_fragment_B(thr_qk.partition_B(sK))  # (MMA,1,D/16,ST)
+            tOrV = pv_mma.make_fragment_B(thr_pv.partition_B(sV))  # (MMA,1,bn/16,ST)
+            num_qk_kb = cute.size(tSrQ, mode=[2])
+
+            s_shape = thr_qk.partition_shape_C((_WG_ROWS, bn))
+            acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((_WG_ROWS, D)))
+            tScS = thr_qk.partition_C(cute.make_identity_tensor((_WG_ROWS, bn)))
+            tOcO = thr_pv.partition_C(cute.make_identity_tensor((_WG_ROWS, D)))
+            n_o_blk = D // 8
+            row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+            row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
+            corr = cute.make_rmem_tensor((2,), cutlass.Float32)
+
+            a_val = pv_mma.tv_layout_A.shape[1]
+            n_a = cute.size(a_val)
+            p_layout = cute.make_layout(
+                (a_val, 1, bn // 16),
+                stride=(cute.make_layout(a_val).stride, 0, n_a))
+            tOrP = cute.make_rmem_tensor(p_layout, self.dtype)
+
+            zero_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+            # ping-pong: warpgroup w issues its WGMMAs between turn[w].arrive_and_wait and
+            # turn[1 - w].arrive
+            turn_mine = pipeline.NamedBarrier(barrier_id=2 + w,
+                                              num_threads=self.num_mma_threads)
+            turn_other = pipeline.NamedBarrier(barrier_id=3 - w,
+                                               num_threads=self.num_mma_threads)
+            if cutlass.const_expr(cfg.pingpong):
+                if w == 1:
+                    turn_other.arrive()  # warpgroup 0 goes first
+
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            k_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.kv_stages)
+            v_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.kv_stages)
+
+            for item in range(it_start, n_items, it_step):
+                j = item % W
+                h = item // W
+                u = work[(j, 0)]
+                if u >= 0:
+                    r0 = work[(j, 1)]
+                    r1 = work[(j, 2)]
+                    kvl = kv_len[u]
+                    n_tiles = (kvl + (bn - 1)) // bn
+
+                    acc_o.fill(0.0)
+                    for i in cutlass.range_constexpr(2):
+                        row_max[i] = -cutlass.Float32.inf
+                        row_sum[i] = 0.0
+
+                    q_pipe.consumer_wait(q_state)
+
+                    if cutlass.const_expr(not cfg.overlap_qk):
+                        for t in range(n_tiles):
+                            k_pipe.consumer_wait(k_state)
+                            kst = k_state.index
+                            acc_s = thr_qk.make_fragment_C(s_shape)
+                            if cutlass.const_expr(cfg.pingpong):
+                                turn_mine.arrive_and_wait()
+                            warpgroup.fence()
+                            for kb in cutlass.range_constexpr(num_qk_kb):
+                                qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                                cute.gemm(qk_mma, acc_s, tSrQ[(None, None, kb, w)],
+                                          tSrK[(None, None, kb, kst)], acc_s)
+                            warpgroup.commit_group()
+                            if cutlass.const_expr(cfg.pingpong):
+                                turn_other.arrive()
+                            warpgroup.wait_group(0)
+                            k_pipe.consumer_release(k_state)
+                            k_state.advance()
+
+                            valid = kvl - t * bn
+                            self._mask_softmax(acc_s, tScS, valid, row_max, row_sum, corr,
+                                               scale_log2)
+                            self._rescale_o(acc_o, corr)
+                            tOrP_as_c = cute.make_tensor(tOrP.iterator, acc_s.layout)
+                            tOrP_as_c.store(acc_s.load().to(self.dtype))
+
+                            v_pipe.consumer_wait(v_state)
+                            vst = v_state.index
+                            if cutlass.const_expr(cfg.zero_v_tail):
+                                if valid < bn:
+                                    sVt = sV[(None, None, vst)]  # (D, bn)
+                                    n_zero = (bn - valid) * D
+                                    for zi in range(tid, n_zero, self.num_mma_threads):
+                                        sVt[(zi % D, valid + zi // D)] = self.dtype(0.0)
+                                    cute.arch.fence_proxy("async.shared", space="cta")
+                                    zero_bar.arrive_and_wait()
+                            if cutlass.const_expr(cfg.pingpong):
+                                turn_mine.arrive_and_wait()
+                            warpgroup.fence()
+                            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+                            cute.gemm(pv_mma, acc_o, tOrP, tOrV[(None, None, None, vst)],
+                                      acc_o)
+                            warpgroup.commit_group()
+                            if cutlass.const_expr(cfg.pingpong):
+                                turn_other.arrive()
+                            warpgroup.wait_group(0)
+                            v_pipe.consumer_release(v_state)
+                            v_state.advance()
+                    else:
+                        # S_t and P_{t-1} V_{t-1} issued together; softmax(S_t) runs while
+                        # P_{t-1} V_{t-1} is in flight; O is rescaled after it lands. The
+                        # first tile is peeled so every wgmma group count is static.
+                        if n_tiles > 0:
+                            k_pipe.consumer_wait(k_state)
+                            kst = k_state.index
+                            acc_s0 = thr_qk.make_fragment_C(s_shape)
+                            if cutlass.const_expr(cfg.pingpong):
+                                turn_mine.arrive_and_wait()
+                            warpgroup.fence()
+                            for kb in cutlass.range_constexpr(num_qk_kb):
+                                qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                                cute.gemm(qk_mma, acc_s0, tSrQ[(None, None, kb, w)],
+                                          tSrK[(None, None, kb, kst)], acc_s0)
+                            warpgroup.commit_group()
+                            if cutlass.const_expr(cfg.pingpong):
+                                turn_other.arrive()
+                            warpgroup.wait_group(0)
+                            k_pipe.consumer_release(k_state)
+                            k_state.advance()
+                            # O is still 0: no rescale needed
+                            self._mask_softmax(acc_s0, tScS, kvl, row_max, row_sum, corr,
+                                               scale_log2)
+                            tOrP_as_c0 = cute.make_tensor(tOrP.iterator, acc_s0.layout)
+                            tOrP_as_c0.store(acc_s0.load().to(self.dtype))
+
+                        for t in range(1, n_tiles):
+                            k_pipe.consumer_wait(k_state)
+                            kst = k_state.index
+                            v_pipe.consumer_wait(v_state)
+                            vst = v_state.index
+                            acc_s = thr_qk.make_fragment_C(s_shape)
+                            if cutlass.const_expr(cfg.pingpong):
+                                turn_mine.arrive_and_wait()
+                            warpgroup.fence()
+                            for kb in cutlass.range_constexpr(num_qk_kb):
+                                qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                                cute.gemm(qk_mma, acc_s, tSrQ[(None, None, kb, w)],
+                                          tSrK[(None, None, kb, kst)], acc_s)
+                            warpgroup.commit_group()
+                            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+                            cute.gemm(pv_mma, acc_o, tOrP, tOrV[(None, None, None, vst)],
+                                      acc_o)
+                            warpgroup.commit_group()
+                            if cutlass.const_expr(cfg.pingpong):
+                                turn_other.arrive()
+                            warpgroup.wait_group(1)
+                            k_pipe.consumer_release(k_state)
+                            k_state.advance()
+
+                            valid = kvl - t * bn
+                            self._mask_softmax(acc_s, tScS, valid, row_max, row_sum, corr,
+                                               scale_log2)
+                            warpgroup.wait_group(0)
+                            v_pipe.consumer_release(v_state)
+                            v_state.advance()
+                            self._rescale_o(acc_o, corr)
+                            tOrP_as_c = cute.make_tensor(tOrP.iterator, acc_s.layout)
+                            tOrP_as_c.store(acc_s.load().to(self.dtype))
+
+                        if n_tiles > 0:
+                            v_pipe.consumer_wait(v_state)
+                            vst = v_state.index
+                            if cutlass.const_expr(cfg.zero_v_tail):
+                                valid = kvl - (n_tiles - 1) * bn
+                                if valid < bn:
+                                    sVt = sV[(None, None, vst)]  # (D, bn)
+                                    n_zero = (bn - valid) * D
+                                    for zi in range(tid, n_zero, self.num_mma_threads):
+                                        sVt[(zi % D, valid + zi // D)] = self.dtype(0.0)
+                                    cute.arch.fence_proxy("async.shared", space="cta")
+                                    zero_bar.arrive_and_wait()
+                            if cutlass.const_expr(cfg.pingpong):
+                                turn_mine.arrive_and_wait()
+                            warpgroup.fence()
+                            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+                            cute.gemm(pv_mma, acc_o, tOrP, tOrV[(None, None, None, vst)],
+                                      acc_o)
+                            warpgroup.commit_group()
+                            if cutlass.const_expr(cfg.pingpong):
+                                turn_other.arrive()
+                            warpgroup.wait_group(0)
+                            v_pipe.consumer_release(v_state)
+                            v_state.advance()
+
+                    # all S GEMMs of this item are complete: the Q slot may be refilled
+                    q_pipe.consumer_release(q_state)
+                    q_state.advance()
+
+                    # ---- epilogue: O / l, lse; only rows < r1
+                    nrows = r1 - r0
+                    row_base = w * _WG_ROWS
+                    for i in cutlass.range_constexpr(2):
+                        l_tot = cute.arch.warp_reduction_sum(row_sum[i], threads_in_group=4)
+                        inv = cutlass.Float32(0.0)
+                        lse_v = -cutlass.Float32.inf
+                        if l_tot > 0.0:
+                            inv = 1.0 / l_tot
+                            lse_v = row_max[i] * scale_f + cute.math.log2(l_tot) * _LN2
+                        lrow = row_base + tOcO[2 * i][0]
+                        if lrow < nrows:
+                            grow = r0 + lrow
+                            if tOcO[2 * i][1] == 0:
+                                lse[(grow, h)] = lse_v
+                            for b in cutlass.range_constexpr(n_o_blk):
+                                for c in cutlass.range_constexpr(2):
+                                    e = c + 2 * i + 4 * b
+                                    out[(grow, h, tOcO[e][1])] = (acc_o[e] * inv).to(
+                                        self.dtype)
