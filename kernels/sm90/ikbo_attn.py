@@ -13,6 +13,20 @@ Structure (warp specialized, 3 warpgroups):
     dtype and used as the register A operand of O += P V (WGMMA). The two warpgroups run
     the same tile sequence, so their softmax phases overlap the other's WGMMAs.
   - epilogue: O / l and lse = m * scale + ln(l), predicated direct stores (rows < r1).
+
+Optional FA3-style modes (IkboAttnSm90Config flags, all off by default; any of them selects
+`kernel_v2`, the default config runs `kernel` exactly as before):
+  - split_kv: separate K and V mbarrier rings (kv_stages each); the smem reserve is 2 KB, so
+    D=128, block_n=128 fits kv_stages=3 (32 KB Q + 3 x 64 KB K/V = 225 KB).
+  - overlap_qk: per tile t the warpgroup issues S_t = Q K_t^T and O += P_{t-1} V_{t-1} back to
+    back, waits only for S_t (wait_group 1), does the softmax of S_t while P V runs, then
+    waits for it and rescales O (first tile peeled so wgmma group counts are static and ptxas
+    does not serialize the WGMMAs).
+  - pingpong: named barriers 2/3 make the two consumer warpgroups alternate their WGMMA
+    issue, so one's softmax overlaps the other's GEMMs.
+  - persistent_ctas = P > 0: grid min(W * H, P), static stride loop over the (chunk, head)
+    items; pipeline states continue across items, Q is released by the consumers after the
+    last S GEMM of an item and refilled by the producer (after it has sent the next K_0).
 """
 from __future__ import annotations
 
@@ -651,6 +665,16 @@ class IkboAttnSm90:
                         tma_atom_v, 0, cute.make_layout(1),
                         cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
+                    # persistent: K_0 of this item goes out before the Q acquire, which
+                    # waits until the consumers are done with the previous item's Q
+                    if cutlass.const_expr(cfg.persistent_ctas > 0):
+                        if n_tiles > 0:
+                            k_pipe.producer_acquire(k_state)
+                            cute.copy(tma_atom_k, tKgK[(None, 0)],
+                                      tKsK[(None, k_state.index)],
+                                      tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
+                            k_pipe.producer_commit(k_state)
+                            k_state.advance()
                     # Q slot is free once both consumer warpgroups released the last item's
                     q_pipe.producer_acquire(q_state)
                     q_bar = q_pipe.producer_get_barrier(q_state)
@@ -661,11 +685,20 @@ class IkboAttnSm90:
                     q_state.advance()
 
                     for t in range(n_tiles):
-                        k_pipe.producer_acquire(k_state)
-                        cute.copy(tma_atom_k, tKgK[(None, t)], tKsK[(None, k_state.index)],
-                                  tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
-                        k_pipe.producer_commit(k_state)
-                        k_state.advance()
+                        if cutlass.const_expr(cfg.persistent_ctas > 0):
+                            if t > 0:
+                                k_pipe.producer_acquire(k_state)
+                                cute.copy(tma_atom_k, tKgK[(None, t)],
+                                          tKsK[(None, k_state.index)],
+                                          tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
+                                k_pipe.producer_commit(k_state)
+                                k_state.advance()
+                        else:
+                            k_pipe.producer_acquire(k_state)
+                            cute.copy(tma_atom_k, tKgK[(None, t)], tKsK[(None, k_state.index)],
+                                      tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
+                            k_pipe.producer_commit(k_state)
+                            k_state.advance()
                         v_pipe.producer_acquire(v_state)
                         cute.copy(tma_atom_v, tVgV[(None, t)], tVsV[(None, v_state.index)],
                                   tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
@@ -849,6 +882,11 @@ class IkboAttnSm90:
                             tOrP_as_c = cute.make_tensor(tOrP.iterator, acc_s.layout)
                             tOrP_as_c.store(acc_s.load().to(self.dtype))
 
+                        # every S GEMM of this item has completed: Q may be refilled now,
+                        # under the last P V and the epilogue
+                        q_pipe.consumer_release(q_state)
+                        q_state.advance()
+
                         if n_tiles > 0:
                             v_pipe.consumer_wait(v_state)
                             vst = v_state.index
@@ -874,9 +912,10 @@ class IkboAttnSm90:
                             v_pipe.consumer_release(v_state)
                             v_state.advance()
 
-                    # all S GEMMs of this item are complete: the Q slot may be refilled
-                    q_pipe.consumer_release(q_state)
-                    q_state.advance()
+                    if cutlass.const_expr(not cfg.overlap_qk):
+                        # all S GEMMs of this item are complete: the Q slot may be refilled
+                        q_pipe.consumer_release(q_state)
+                        q_state.advance()
 
                     # ---- epilogue: O / l, lse; only rows < r1
                     nrows = r1 - r0
@@ -898,3 +937,9 @@ class IkboAttnSm90:
                                     e = c + 2 * i + 4 * b
                                     out[(grow, h, tOcO[e][1])] = (acc_o[e] * inv).to(
                                         self.dtype)
+
+            if cutlass.const_expr(cfg.pingpong):
+                if w == 0:
+                    # consume warpgroup 1's last hand-over so no named barrier is left with
+                    # pending arrivals at exit
+                    turn_mine.arrive_and_wait()
