@@ -25,8 +25,8 @@ def export(arches, out_dir, *, ops=None, designs=None, overrides=None, log=print
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    keys = [k for k in all_keys(arches, overrides=overrides)
-            if (ops is None or k.op in ops) and (designs is None or k.design in designs)]
+    keys = [k for k in all_keys(arches, overrides=overrides, ops=ops)
+            if designs is None or k.design in designs]
     if not keys:
         raise ExportError(f"no variants registered for arches={arches} ops={ops} designs={designs}")
     entries, failures = [], []

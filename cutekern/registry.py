@@ -108,12 +108,15 @@ def default_config(op: str, design: str) -> tuple:
     return tuple((f.name, getattr(cls(), f.name)) for f in dataclasses.fields(cls))
 
 
-def all_keys(arches, with_config=True, overrides=None) -> list:
+def all_keys(arches, with_config=True, overrides=None, ops=None) -> list:
     """Every registered variant for the given arches (configs resolved if asked).
-    ``overrides``: {design: {config field: value}} applied on top of the defaults."""
+    ``overrides``: {design: {config field: value}} applied on top of the defaults of the
+    selected ``ops`` (all ops when None)."""
     keys = []
     for arch in arches:
         for op in OPS.values():
+            if ops is not None and op.name not in ops:
+                continue
             for design in DESIGNS_FOR_ARCH[arch]:
                 if design not in op.designs:
                     continue

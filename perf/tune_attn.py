@@ -21,7 +21,7 @@ def make(root: Path, configs: dict):
         print("made", name, flush=True)
 
 
-def run(root: Path, out_dir: Path):
+def run(root: Path, out_dir: Path, only=None):
     import torch
     from common import time_ms
     from cutekern import dispatch
@@ -30,7 +30,8 @@ def run(root: Path, out_dir: Path):
 
     rows = []
     os.environ["CUTEKERN_DESIGN"] = "sm90"
-    for d in sorted(p for p in root.iterdir() if (p / "manifest.json").exists()):
+    for d in sorted(p for p in root.iterdir() if (p / "manifest.json").exists()
+                    and (only is None or p.name == only)):
         os.environ["CUTEKERN_ARTIFACTS"] = str(d)
         row = {"config": d.name}
         ok = True
@@ -74,8 +75,9 @@ if __name__ == "__main__":
     ap.add_argument("configs", nargs="?", default='{"default": {}}')
     ap.add_argument("--root", type=Path)
     ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--only", default=None, help="one config directory name")
     a = ap.parse_args()
     if a.make:
         make(a.make, json.loads(a.configs))
     else:
-        run(a.root, a.out)
+        run(a.root, a.out, a.only)
