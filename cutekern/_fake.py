@@ -5,7 +5,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor, make_fake_stream
 
-from .abi import StreamArg, TensorArg
+from .abi import DTYPE_BYTES, StreamArg, TensorArg
 
 _DSL_DTYPES = {
     "float16": cutlass.Float16,
@@ -25,9 +25,8 @@ def fake_arg(arg):
     assert isinstance(arg, TensorArg)
     shape = tuple(cute.sym_int() for _ in range(arg.rank))
     stride = tuple(cute.sym_int(64, divisibility=arg.align) for _ in range(arg.rank - 1)) + (1,)
-    elem_bytes = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4}[arg.dtype]
     return make_fake_tensor(_DSL_DTYPES[arg.dtype], shape, stride,
-                            assumed_align=max(4, arg.align * elem_bytes))
+                            assumed_align=max(4, arg.align * DTYPE_BYTES[arg.dtype]))
 
 
 def fake_args(abi) -> list:
