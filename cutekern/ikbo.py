@@ -142,19 +142,23 @@ def _validate(lce, e_cand, e_user, cand_to_user, out):
                              f"cutekern.reference has the float64 reference)")
 
 
-def _check_indices(cand_to_user, num_users):
-    """cand_to_user in [0, U) and non-decreasing; one device sync. Skipped while a CUDA
-    graph is being captured (a sync is illegal there)."""
+def _check_indices(cand_to_user, num_users, kv_len=None, s_max=0, op="linear_compression"):
+    """cand_to_user in [0, U) and non-decreasing (and kv_len in [0, S_max] when given), with
+    one device sync. Skipped while a CUDA graph is being captured (a sync is illegal there)."""
     c = cand_to_user
     if c.numel() == 0 or (c.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
-    bad_range = (c.min() < 0) | (c.max() >= num_users)
-    bad_order = (c[1:] < c[:-1]).any()
-    flags = torch.stack([bad_range, bad_order]).tolist()
+    checks = [(c.min() < 0) | (c.max() >= num_users), (c[1:] < c[:-1]).any()]
+    if kv_len is not None and kv_len.numel():
+        checks.append(((kv_len < 0) | (kv_len > s_max)).any())
+    flags = torch.stack(checks).tolist()
+    err = lambda name, msg: ValueError(f"{op}: argument '{name}' {msg}")  # noqa: E731
     if flags[0]:
-        raise _err("cand_to_user", f"has values outside [0, U={num_users})")
+        raise err("cand_to_user", f"has values outside [0, U={num_users})")
     if flags[1]:
-        raise _err("cand_to_user", "must be non-decreasing (candidates of a user contiguous)")
+        raise err("cand_to_user", "must be non-decreasing (candidates of a user contiguous)")
+    if len(flags) > 2 and flags[2]:
+        raise err("kv_len", f"has values outside [0, S_max={s_max}]")
 
 
 def _launch(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out, check=True):
@@ -288,14 +292,6 @@ def attention(q, k, v, cand_to_user, kv_len=None, scale=None, return_lse=False, 
     return (out, lse) if return_lse else out
 
 
-def _check_kv_len(kv_len, s_max):
-    if kv_len is None or kv_len.numel() == 0 or torch.cuda.is_current_stream_capturing():
-        return
-    bad = ((kv_len < 0) | (kv_len > s_max)).any().item()
-    if bad:
-        raise _attn_err("kv_len", f"has values outside [0, S_max={s_max}]")
-
-
 def _attention_impl(q, k, v, cand_to_user, kv_len, scale, check_indices):
     from ._attn_work import build_work
     from .dispatch import get_function
@@ -310,8 +306,7 @@ def _attention_impl(q, k, v, cand_to_user, kv_len, scale, check_indices):
     if b == 0 or n_seed == 0 or h == 0:
         return out, lse_rh.view(b, n_seed, h).permute(0, 2, 1).contiguous()
     if check_indices:
-        _check_indices(cand_to_user, u)
-        _check_kv_len(kv_len, s_max)
+        _check_indices(cand_to_user, u, kv_len, s_max, op="ikbo.attention")
     if kv_len is None:
         kv_len = torch.full((u,), s_max, dtype=torch.int32, device=q.device)
     fn = get_function("ikbo_attn", {"dtype": _DTYPES[q.dtype]}, {"head_dim": d}, q.device)

@@ -174,9 +174,6 @@ class KernelFunction:
         self._structs = [tensor_struct(s["rank"]) for s in self._tensor_specs]
         self._ptr_array = ctypes.c_void_p * (len(self.abi) + 1)
 
-    def validate(self, *args):
-        return validate_args(self.meta, args)
-
     def __call__(self, *args, stream=None, check=True):
         """Launch on ``stream`` (default: torch's current stream of the tensors' device).
         ``check=False`` skips the ABI validation for callers that already did it."""
@@ -257,9 +254,6 @@ class Manifest:
         for e in self.data["kernels"]:
             self.entries[_lookup_key(e["op"], e["design"], e["arch"], e["dtypes"], e["flags"])] = e
         self._loaded: dict = {}
-
-    def has(self, op, design, arch, dtypes, flags) -> bool:
-        return _lookup_key(op, design, arch, dtypes, flags) in self.entries
 
     def function(self, op, design, arch, dtypes, flags) -> KernelFunction:
         k = _lookup_key(op, design, arch, dtypes, flags)
