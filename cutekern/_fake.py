@@ -5,7 +5,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor, make_fake_stream
 
-from .abi import DTYPE_BYTES, StreamArg, TensorArg
+from .abi import DTYPE_BYTES, ScalarArg, StreamArg, TensorArg
 
 _DSL_DTYPES = {
     "float16": cutlass.Float16,
@@ -22,6 +22,8 @@ def dsl_dtype(name: str):
 def fake_arg(arg):
     if isinstance(arg, StreamArg):
         return make_fake_stream()
+    if isinstance(arg, ScalarArg):
+        return _DSL_DTYPES[arg.dtype](0)
     assert isinstance(arg, TensorArg)
     shape = tuple(cute.sym_int() for _ in range(arg.rank))
     stride = tuple(cute.sym_int(64, divisibility=arg.align) for _ in range(arg.rank - 1)) + (1,)

@@ -37,6 +37,16 @@ class TensorArg:
 
 
 @dataclass(frozen=True)
+class ScalarArg:
+    """A by-value scalar (int32 or float32); the entry receives a pointer to the value."""
+    name: str
+    dtype: str
+
+    def to_json(self) -> dict:
+        return {"kind": "scalar", "name": self.name, "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
 class StreamArg:
     name: str = "stream"
 
@@ -87,5 +97,80 @@ def ikbo_attention_abi(dtype: str) -> tuple:
         TensorArg("scale", "float32", 1, align=1),
         TensorArg("out", dtype, 3, align=8),
         TensorArg("lse", "float32", 2, align=1),
+        StreamArg(),
+    )
+
+
+def attn_res_abi(dtype: str) -> tuple:
+    """ABI of the AttnRes serving op (one fused pass per call).
+
+      prefix   (M, H)      dtype   running in-block sum; rewritten as bf16(prefix + delta)
+      delta    (M, H)      dtype   read only when has_delta
+      blocks   (M, NB, H)  dtype   snapshot bank; slot write_idx <- new prefix when >= 0
+      norm_w, qk_w (H,)    dtype   key RMSNorm weight, pseudo-query
+      out_norm_w (H,)      dtype   read only when has_out_norm
+      out      (M, H)      dtype
+      num_blocks K (0..NB), write_idx (-1 or 0..NB-1), has_delta, has_out_norm: int32
+      eps, out_eps: float32
+    """
+    return (
+        TensorArg("prefix", dtype, 2, align=8),
+        TensorArg("delta", dtype, 2, align=8),
+        TensorArg("blocks", dtype, 3, align=8),
+        TensorArg("norm_w", dtype, 1, align=8),
+        TensorArg("qk_w", dtype, 1, align=8),
+        TensorArg("out_norm_w", dtype, 1, align=8),
+        TensorArg("out", dtype, 2, align=8),
+        ScalarArg("num_blocks", "int32"),
+        ScalarArg("write_idx", "int32"),
+        ScalarArg("has_delta", "int32"),
+        ScalarArg("has_out_norm", "int32"),
+        ScalarArg("eps", "float32"),
+        ScalarArg("out_eps", "float32"),
+        StreamArg(),
+    )
+
+
+def bgmv_shrink_abi(dtype: str) -> tuple:
+    """ABI of the MoE-LoRA shrink. Pairs p = t * k + j (token t, its j-th routed expert).
+
+      x        (T, H)        dtype   token activations
+      a        (L, E, R, H)  dtype   LoRA A per (adapter, expert)
+      topk_ids (T, k)        int32   expert of each pair (outside [0, E): pair skipped)
+      lora     (T,)          int32   adapter of each token (-1 or outside [0, L): skipped)
+      order    (Q,)          int32   pair indices in processing order; entries outside
+                                     [0, T*k) are padding and skipped
+      s        (P, R)        dtype   s[p] = cvt(x[t] @ a[lora[t], e(p)]^T); 0 when skipped
+    """
+    return (
+        TensorArg("x", dtype, 2, align=8),
+        TensorArg("a", dtype, 4, align=8),
+        TensorArg("topk_ids", "int32", 2, align=1),
+        TensorArg("lora", "int32", 1, align=1),
+        TensorArg("order", "int32", 1, align=1),
+        TensorArg("s", dtype, 2, align=8),
+        StreamArg(),
+    )
+
+
+def bgmv_expand_abi(dtype: str) -> tuple:
+    """ABI of the MoE-LoRA expand (fp32 output).
+
+      s        (P, R)        dtype   shrink output, P = T * k
+      b        (L, E, N, R)  dtype   LoRA B per (adapter, expert)
+      topk_ids (T, k)        int32
+      lora     (T,)          int32
+      topk_w   (T, k)        float32 routing weights (finalize only)
+      y        (T, N) fp32 finalize: y[t] = sum_{j=0..k-1, in order} w[t,j] * s[p] @ b[l,e]^T
+               (P, N) fp32 per pair: y[p] = s[p] @ b[l, e]^T
+               rows of skipped tokens / pairs are written as 0
+    """
+    return (
+        TensorArg("s", dtype, 2, align=8),
+        TensorArg("b", dtype, 4, align=8),
+        TensorArg("topk_ids", "int32", 2, align=1),
+        TensorArg("lora", "int32", 1, align=1),
+        TensorArg("topk_w", "float32", 2, align=1),
+        TensorArg("y", "float32", 2, align=4),
         StreamArg(),
     )

@@ -116,6 +116,12 @@ def instantiate(key: KernelKey):
         return kcls(dts["ab"], dts["c"], dict(key.flags)["has_addend"], cfg), mod
     if key.op == "ikbo_attn":
         return kcls(dts["dtype"], dict(key.flags)["head_dim"], cfg), mod
+    if key.op == "attn_res":
+        return kcls(dts["dtype"], dict(key.flags)["max_hidden"], cfg), mod
+    if key.op == "bgmv_shrink":
+        return kcls(dts["dtype"], cfg), mod
+    if key.op == "bgmv_expand":
+        return kcls(dts["dtype"], dict(key.flags)["finalize"], cfg), mod
     raise KeyError(key.op)
 
 

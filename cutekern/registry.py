@@ -73,6 +73,20 @@ def _attn_variants():
                  for dt in ("float16", "bfloat16") for d in (64, 128))
 
 
+def _attn_res_variants():
+    # the hidden size tier bounds the on-chip row buffers; any H % 8 == 0 up to it runs
+    return tuple(((("dtype", "bfloat16"),), (("max_hidden", h),)) for h in (8192, 16384))
+
+
+def _bgmv_shrink_variants():
+    return tuple(((("dtype", dt),), ()) for dt in ("float16", "bfloat16"))
+
+
+def _bgmv_expand_variants():
+    return tuple(((("dtype", dt),), (("finalize", f),))
+                 for dt in ("float16", "bfloat16") for f in (True, False))
+
+
 OPS: dict = {
     "lce_gemm": OpSpec(
         name="lce_gemm",
@@ -95,6 +109,39 @@ OPS: dict = {
         },
         variants=_attn_variants(),
         doc="IKBO attention: candidate queries over the unbroadcast user K/V",
+    ),
+    "attn_res": OpSpec(
+        name="attn_res",
+        abi=lambda dtype: _abi.attn_res_abi(dtype),
+        designs={
+            "sm90": DesignImpl("kernels.sm90.attn_res", "AttnResSm90", "AttnResSm90Config"),
+            "ada": DesignImpl("kernels.ada.attn_res", "AttnResAda", "AttnResAdaConfig"),
+            "sm100": DesignImpl("kernels.sm100.attn_res", "AttnResSm100", "AttnResSm100Config"),
+        },
+        variants=_attn_res_variants(),
+        doc="Kimi attention residuals: softmax over depth of block snapshots, fused serving form",
+    ),
+    "bgmv_shrink": OpSpec(
+        name="bgmv_shrink",
+        abi=lambda dtype: _abi.bgmv_shrink_abi(dtype),
+        designs={
+            "sm90": DesignImpl("kernels.sm90.bgmv_shrink", "BgmvShrinkSm90", "BgmvShrinkSm90Config"),
+            "ada": DesignImpl("kernels.ada.bgmv_shrink", "BgmvShrinkAda", "BgmvShrinkAdaConfig"),
+            "sm100": DesignImpl("kernels.sm100.bgmv_shrink", "BgmvShrinkSm100", "BgmvShrinkSm100Config"),
+        },
+        variants=_bgmv_shrink_variants(),
+        doc="MoE-LoRA shrink: s[p] = x[t] @ A[lora, expert]^T per (token, expert) pair",
+    ),
+    "bgmv_expand": OpSpec(
+        name="bgmv_expand",
+        abi=lambda dtype: _abi.bgmv_expand_abi(dtype),
+        designs={
+            "sm90": DesignImpl("kernels.sm90.bgmv_expand", "BgmvExpandSm90", "BgmvExpandSm90Config"),
+            "ada": DesignImpl("kernels.ada.bgmv_expand", "BgmvExpandAda", "BgmvExpandAdaConfig"),
+            "sm100": DesignImpl("kernels.sm100.bgmv_expand", "BgmvExpandSm100", "BgmvExpandSm100Config"),
+        },
+        variants=_bgmv_expand_variants(),
+        doc="MoE-LoRA expand: fixed-order weighted sum over a token's pairs, one owner per output",
     ),
 }
 
