@@ -75,3 +75,92 @@ def ikbo_attention_reference(q, k, v, cand_to_user, kv_len=None, scale=None,
         lse[rows] = torch.logsumexp(s, dim=-1)
         out[rows] = torch.einsum("chsn,nhd->cshd", torch.softmax(s, dim=-1), vu)
     return out, lse
+
+
+def attn_res_reference(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                       num_blocks, block_write_idx=-1, eps=1e-5, output_norm_eps=1e-5):
+    """AttnRes serving op on copies: returns (prefix', blocks', out fp32).
+
+    prefix' = bf16(prefix + delta) (the in-place update, bit-exact target); blocks' has
+    slot ``block_write_idx`` set to prefix'; out = rmsnorm(mix) * output_norm_weight (or mix)
+    with mix = sum_i softmax_i(s) c_i over c = (blocks'[:, :K], prefix'), s_i =
+    sum_h rmsnorm(c_i)[h] * norm_weight[h] * qk_weight[h]. All math in fp32.
+    """
+    f32 = torch.float32
+    p = prefix.clone() if delta is None else (prefix.to(f32) + delta.to(f32)).to(prefix.dtype)
+    bl = blocks.clone()
+    if block_write_idx >= 0:
+        bl[:, block_write_idx] = p
+    src = torch.cat([bl[:, :num_blocks], p.unsqueeze(1)], dim=1).to(f32)   # [M, K+1, H]
+    rms = torch.rsqrt(src.pow(2).mean(-1, keepdim=True) + eps)
+    s = (src * rms * (norm_weight.to(f32) * qk_weight.to(f32))).sum(-1)     # [M, K+1]
+    mix = (torch.softmax(s, dim=-1).unsqueeze(-1) * src).sum(1)             # [M, H]
+    if output_norm_weight is not None:
+        mix = mix * torch.rsqrt(mix.pow(2).mean(-1, keepdim=True) + output_norm_eps) \
+            * output_norm_weight.to(f32)
+    return p, bl, mix
+
+
+def attn_res_torch(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                   num_blocks, block_write_idx=-1, eps=1e-5, output_norm_eps=1e-5):
+    """The torch route a user would run (in place, like the fused op): the baseline that the
+    benchmark times eager and under torch.compile."""
+    if delta is not None:
+        prefix.copy_((prefix.float() + delta.float()).to(prefix.dtype))
+    if block_write_idx >= 0:
+        blocks[:, block_write_idx] = prefix
+    src = torch.cat([blocks[:, :num_blocks], prefix.unsqueeze(1)], dim=1).float()
+    s = (torch.nn.functional.rms_norm(src, (src.shape[-1],), eps=eps)
+         * (norm_weight.float() * qk_weight.float())).sum(-1)
+    mix = (torch.softmax(s, dim=-1).unsqueeze(-1) * src).sum(1)
+    if output_norm_weight is not None:
+        mix = torch.nn.functional.rms_norm(mix, (mix.shape[-1],), output_norm_weight.float(),
+                                           eps=output_norm_eps)
+    return mix.to(prefix.dtype)
+
+
+def bgmv_live(topk_ids, lora, num_loras, num_experts):
+    """[T, k] bool: which (token, expert) pairs carry a LoRA delta."""
+    lo = lora.long().unsqueeze(1).expand_as(topk_ids)
+    e = topk_ids.long()
+    return (lo >= 0) & (lo < num_loras) & (e >= 0) & (e < num_experts)
+
+
+def bgmv_shrink_reference(x, lora_a, topk_ids, lora):
+    """s [T*k, r] fp32: x[t] @ A[lora[t], e]^T per pair (0 where skipped); round it to the
+    input dtype to get the kernel's contract."""
+    t, k = topk_ids.shape
+    num_l, num_e = lora_a.shape[0], lora_a.shape[1]
+    live = bgmv_live(topk_ids, lora, num_l, num_e).reshape(-1)
+    lo = lora.long().clamp(0, num_l - 1).repeat_interleave(k)
+    e = topk_ids.long().reshape(-1).clamp(0, num_e - 1)
+    xt = x.double().repeat_interleave(k, dim=0)                                 # [P, H]
+    s = torch.einsum("ph,prh->pr", xt, lora_a[lo, e].double())
+    return (s * live.unsqueeze(1)).float()
+
+
+def bgmv_expand_reference(s, lora_b, topk_ids, lora, topk_w=None):
+    """fp32 expand of a given shrink result s [T*k, r]: per pair s[p] @ B[lora, e]^T
+    ([T*k, N]) or, with ``topk_w``, the finalized sum over each token's pairs ([T, N])."""
+    t, k = topk_ids.shape
+    num_l, num_e = lora_b.shape[0], lora_b.shape[1]
+    live = bgmv_live(topk_ids, lora, num_l, num_e).reshape(-1)
+    lo = lora.long().clamp(0, num_l - 1).repeat_interleave(k)
+    e = topk_ids.long().reshape(-1).clamp(0, num_e - 1)
+    y = torch.einsum("pr,pnr->pn", s.double(), lora_b[lo, e].double()) * live.unsqueeze(1)
+    if topk_w is None:
+        return y.float()
+    return (y.reshape(t, k, -1) * topk_w.double().unsqueeze(-1)).sum(1).float()
+
+
+def bgmv_torch(x, lora_a, lora_b, topk_ids, topk_w, lora):
+    """The torch gather + einsum route a serving engine falls back to (finalized, fp32):
+    the benchmark baseline."""
+    k = topk_ids.shape[1]
+    live = bgmv_live(topk_ids, lora, lora_a.shape[0], lora_a.shape[1]).reshape(-1, 1)
+    lo = lora.long().clamp(min=0).repeat_interleave(k)
+    e = topk_ids.long().reshape(-1).clamp(min=0)
+    xt = x.repeat_interleave(k, dim=0)
+    s = torch.einsum("ph,prh->pr", xt, lora_a[lo, e]) * live.to(x.dtype)
+    y = torch.einsum("pr,pnr->pn", s, lora_b[lo, e]).float()
+    return (y.reshape(-1, k, y.shape[-1]) * topk_w.unsqueeze(-1)).sum(1)

@@ -154,8 +154,26 @@ def _validate_tensor(spec: dict, t, where: str, device, require_cuda=True):
     return shape, fixed
 
 
+_SCALAR_CTYPES = {"int32": ctypes.c_int32, "float32": ctypes.c_float}
+_INT32_MIN = -2**31
+
+
+def _validate_scalar(spec: dict, v, where: str):
+    name = spec["name"]
+    if spec["dtype"] == "int32":
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{where}: argument '{name}' must be a Python int, got {type(v).__name__}")
+        if not _INT32_MIN <= v <= _INT32_MAX:
+            raise ValueError(f"{where}: argument '{name}' = {v} does not fit in int32")
+    else:
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise TypeError(f"{where}: argument '{name}' must be a Python float, got {type(v).__name__}")
+    return v
+
+
 class KernelFunction:
-    """One exported variant, callable with torch tensors in ABI order."""
+    """One exported variant, callable with torch tensors and Python scalars in ABI order
+    (every argument but the stream)."""
 
     def __init__(self, meta: dict, object_path: Path, lib: _Lib):
         self.meta = meta
@@ -170,39 +188,44 @@ class KernelFunction:
         lib.check(lib.lib.CuteDSLRT_Module_Get_Function(
             ctypes.byref(self._fn), self._module, self.prefix.encode()), f"finding {self.prefix}")
         self._run = lib.lib.CuteDSLRT_Function_Run
-        self._tensor_specs = [s for s in self.abi if s["kind"] == "tensor"]
-        self._structs = [tensor_struct(s["rank"]) for s in self._tensor_specs]
+        self._arg_specs = [s for s in self.abi if s["kind"] != "stream"]
+        self._structs = [tensor_struct(s["rank"]) if s["kind"] == "tensor" else None
+                         for s in self._arg_specs]
         self._ptr_array = ctypes.c_void_p * (len(self.abi) + 1)
 
-    def __call__(self, *args, stream=None, check=True):
-        """Launch on ``stream`` (default: torch's current stream of the tensors' device).
-        ``check=False`` skips the ABI validation for callers that already did it."""
-        import torch
-        if check:
-            dims, device = validate_args(self.meta, args)
-        else:
-            dims, device = [_fast_dims(t, spec) for t, spec in zip(args, self._tensor_specs)], args[0].device
+    def _pack(self, args, dims):
+        """The C argument array (and the ctypes objects it points into) for one call; the
+        stream slot holds a c_void_p that the caller fills."""
         keep = []  # ctypes objects must outlive the call
         ptrs = self._ptr_array()  # per call: launches may come from several threads
+        stream_h = ctypes.c_void_p(0)
         i = 0
         for j, spec in enumerate(self.abi):
             if spec["kind"] == "stream":
-                s = stream if stream is not None else torch.cuda.current_stream(device).cuda_stream
-                h = ctypes.c_void_p(s)
-                keep.append(h)
-                ptrs[j] = ctypes.addressof(h)
+                ptrs[j] = ctypes.addressof(stream_h)
                 continue
-            shape, stride = dims[i]
-            st = self._structs[i]()
-            st.data = args[i].data_ptr()
-            st.dynamic_shapes[:] = shape
-            if spec["rank"] > 1:
-                st.dynamic_strides[:] = stride[:-1]
-            keep.append(st)
-            ptrs[j] = ctypes.addressof(st)
+            if spec["kind"] == "scalar":
+                v = _SCALAR_CTYPES[spec["dtype"]](args[i])
+                keep.append(v)
+                ptrs[j] = ctypes.addressof(v)
+            else:
+                shape, stride = dims[i]
+                st = self._structs[i]()
+                st.data = args[i].data_ptr()
+                st.dynamic_shapes[:] = shape
+                if spec["rank"] > 1:
+                    st.dynamic_strides[:] = stride[:-1]
+                keep.append(st)
+                ptrs[j] = ctypes.addressof(st)
             i += 1
         ret = ctypes.c_int32(0)
         ptrs[len(self.abi)] = ctypes.addressof(ret)
+        keep += [stream_h, ret]
+        return ptrs, stream_h, ret, keep
+
+    def _go(self, ptrs, stream_h, ret, device, stream):
+        import torch
+        stream_h.value = stream if stream is not None else torch.cuda.current_stream(device).cuda_stream
         if device.index is not None and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
                 err = self._run(self._fn, ptrs, len(ptrs))
@@ -211,6 +234,38 @@ class KernelFunction:
         self._lib.check(err, f"launching {self.prefix}")
         if ret.value != 0:
             raise CuteKernRuntimeError(f"launching {self.prefix}: CUDA error {ret.value}")
+
+    def _dims(self, args, check):
+        if check:
+            return validate_args(self.meta, args)
+        dims = [_fast_dims(a, spec) if spec["kind"] == "tensor" else None
+                for a, spec in zip(args, self._arg_specs)]
+        device = next(a.device for a, spec in zip(args, self._arg_specs) if spec["kind"] == "tensor")
+        return dims, device
+
+    def __call__(self, *args, stream=None, check=True):
+        """Launch on ``stream`` (default: torch's current stream of the tensors' device).
+        ``check=False`` skips the ABI validation for callers that already did it."""
+        dims, device = self._dims(args, check)
+        ptrs, stream_h, ret, _keep = self._pack(args, dims)
+        self._go(ptrs, stream_h, ret, device, stream)
+
+    def bind(self, *args, check=True) -> "BoundCall":
+        """Validate and pack the arguments once; ``BoundCall.launch()`` then only sets the
+        stream and calls into the runtime (no allocation, no host sync)."""
+        dims, device = self._dims(args, check)
+        return BoundCall(self, args, *self._pack(args, dims), device)
+
+
+class BoundCall:
+    """A launch with fixed arguments (the tensors are kept alive here)."""
+
+    def __init__(self, fn: KernelFunction, args, ptrs, stream_h, ret, keep, device):
+        self.fn, self.args, self.device = fn, args, device
+        self._ptrs, self._stream_h, self._ret, self._keep = ptrs, stream_h, ret, keep
+
+    def launch(self, stream=None):
+        self.fn._go(self._ptrs, self._stream_h, self._ret, self.device, stream)
 
 
 def _fast_dims(t, spec):
@@ -223,17 +278,22 @@ def _fast_dims(t, spec):
 
 
 def validate_args(meta: dict, args, require_cuda: bool = True) -> tuple:
-    """Check tensors against a manifest entry's ABI; returns ([(shape, strides)], device)."""
+    """Check arguments against a manifest entry's ABI; returns ([(shape, strides) per tensor,
+    None per scalar], device)."""
     where = f"cutekern {meta['op']}[{meta['design']}/{meta['arch']}]"
-    tensor_specs = [s for s in meta["abi"] if s["kind"] == "tensor"]
-    if len(args) != len(tensor_specs):
-        raise TypeError(f"{where}: expected {len(tensor_specs)} tensors "
-                        f"({', '.join(s['name'] for s in tensor_specs)}), got {len(args)}")
+    specs = [s for s in meta["abi"] if s["kind"] != "stream"]
+    if len(args) != len(specs):
+        raise TypeError(f"{where}: expected {len(specs)} arguments "
+                        f"({', '.join(s['name'] for s in specs)}), got {len(args)}")
     device = None
     out = []
-    for spec, t in zip(tensor_specs, args):
-        out.append(_validate_tensor(spec, t, where, device, require_cuda))
-        device = t.device
+    for spec, a in zip(specs, args):
+        if spec["kind"] == "scalar":
+            _validate_scalar(spec, a, where)
+            out.append(None)
+            continue
+        out.append(_validate_tensor(spec, a, where, device, require_cuda))
+        device = a.device
     return out, device
 
 

@@ -118,7 +118,7 @@ def test_runtime_validation_names_argument():
     bad = list(args); bad[0] = torch.randn(5, 20, dtype=F16)[:, :13]
     with pytest.raises(ValueError, match="argument 'a' stride 20 of dim 0 must be a multiple of 8"):
         validate_args(META, bad, require_cuda=False)
-    with pytest.raises(TypeError, match="expected 5 tensors"):
+    with pytest.raises(TypeError, match="expected 5 arguments"):
         validate_args(META, args[:4], require_cuda=False)
     # a well-formed CPU call passes every metadata check and reports canonical strides
     dims, _ = validate_args(META, args, require_cuda=False)

@@ -13,11 +13,26 @@ from cutekern.runtime import tensor_struct
 
 pytestmark = pytest.mark.skipif(not dsl_installed(), reason="needs nvidia-cutlass-dsl")
 
-# design -> (required SASS opcodes, forbidden ones): gpu.md's fingerprints
+# design -> (required SASS opcodes, forbidden ones): gpu.md's fingerprints for the MMA ops
 FINGERPRINTS = {
     "sm90": ({"HGMMA", "UTMALDG", "SYNCS"}, {"HMMA"}),
     "ada": ({"LDGSTS", "LDSM", "HMMA"}, {"HGMMA", "UTCHMMA"}),
     "sm100": ({"UTCHMMA", "UTCBAR", "LDTM", "UTMALDG"}, {"HMMA", "HGMMA"}),
+}
+# memory-bound ops have no MMA: each design proves its copy path instead (bulk/TMA copies
+# and mbarriers on sm90, cp.async on Ada, tensor memory on sm100), and the deterministic
+# BGMV kernels must contain no atomics at all
+ATOMICS = {"ATOM", "ATOMG", "ATOMS", "RED", "REDG"}
+OP_FINGERPRINTS = {
+    ("attn_res", "sm90"): ({"UBLKCP", "SYNCS"}, {"LDGSTS"}),
+    ("attn_res", "ada"): ({"LDGSTS", "LDGDEPBAR"}, {"UTMALDG", "UBLKCP", "SYNCS"}),
+    ("attn_res", "sm100"): ({"STTM", "LDTM", "UBLKCP", "SYNCS"}, {"LDGSTS"}),
+    ("bgmv_shrink", "sm90"): ({"LDG", "SHFL"}, ATOMICS | {"LDGSTS"}),
+    ("bgmv_expand", "sm90"): ({"LDG", "STG"}, ATOMICS | {"LDGSTS"}),
+    ("bgmv_shrink", "ada"): ({"LDGSTS", "LDGDEPBAR", "SHFL"}, ATOMICS | {"UTMALDG", "HGMMA"}),
+    ("bgmv_expand", "ada"): ({"LDGSTS", "LDGDEPBAR"}, ATOMICS | {"UTMALDG", "HGMMA"}),
+    ("bgmv_shrink", "sm100"): ({"SYNCS"}, ATOMICS | {"LDGSTS"}),
+    ("bgmv_expand", "sm100"): ({"SYNCS"}, ATOMICS | {"LDGSTS"}),
 }
 
 
@@ -61,7 +76,7 @@ def test_sass_fingerprints(exported, arch):
     assert entries
     for e in entries:
         ops = _opcodes((out / e["object"]).with_suffix(".sass").read_text())
-        need, forbid = FINGERPRINTS[e["design"]]
+        need, forbid = OP_FINGERPRINTS.get((e["op"], e["design"])) or FINGERPRINTS[e["design"]]
         missing = {f for f in need if not any(o.startswith(f) for o in ops)}
         assert not missing, f"{e['prefix']}: fast-path instructions missing: {missing}"
         assert not (ops & forbid), f"{e['prefix']}: slow-path instructions present: {ops & forbid}"
@@ -83,7 +98,10 @@ def test_header_abi_round_trip(exported):
         assert w and w.group(1) == e["prefix"]
         params = [p.strip().split()[-1].lstrip("*") for p in w.group(2).split(",")]
         assert params == [a["name"] for a in e["abi"]], "argument order"
+        ctypes_of = {p.strip().split()[-1].lstrip("*"): p.strip().split()[0] for p in w.group(2).split(",")}
         for a in e["abi"]:
+            if a["kind"] == "scalar":  # passed by value: the runtime points at a c_int32 / c_float
+                assert ctypes_of[a["name"]] == {"int32": "int32_t", "float32": "float"}[a["dtype"]], a
             if a["kind"] != "tensor":
                 continue
             assert structs[a["name"]] == (a["dynamic_shapes"], a["dynamic_strides"]), a

@@ -1,0 +1,176 @@
+"""AttnRes (Kimi attention residuals), fused serving form, over torch tensors.
+
+    runner = prepare_attn_res(prefix, delta, blocks, norm_weight, qk_weight,
+                              output_norm_weight, out, num_blocks=K, block_write_idx=w)
+    runner.launch()          # no allocation, no host sync, CUDA-graph capturable
+    attn_res(prefix, delta, blocks, norm_weight, qk_weight, num_blocks=K)   # one-shot
+
+One launch per call: prefix += delta (in place, bf16), the optional snapshot write
+blocks[:, w] = prefix, then out = [rmsnorm](softmax-over-depth mix of blocks[:, :K] and
+prefix). Each source row is read from HBM once (see kernels/CONTRACT_ATTN_RES.md).
+"""
+from __future__ import annotations
+
+import torch
+
+MAX_SLOTS = 8
+HIDDEN_TIERS = (8192, 16384)  # compiled variants: on-chip row buffers sized for the tier
+
+
+def _err(name, msg):
+    return ValueError(f"attn_res: argument '{name}' {msg}")
+
+
+def _rows_ok(name, t, shape):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"attn_res: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"attn_res: argument '{name}' must be bfloat16, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise _err(name, f"must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.numel() == 0:
+        return
+    if t.stride(-1) != 1:
+        raise _err(name, "must be contiguous in its last dim (H)")
+    for d in range(t.dim() - 1):
+        if t.shape[d] > 1 and t.stride(d) % 8 != 0:
+            raise _err(name, f"stride {t.stride(d)} of dim {d} must be a multiple of 8 elements")
+    if not torch.compiler.is_compiling() and t.data_ptr() % 16 != 0:
+        raise _err(name, "data pointer must be 16-byte aligned")
+
+
+def _span(t):
+    if t.numel() == 0:
+        return (0, 0)
+    lo = t.data_ptr()
+    hi = lo + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) * t.element_size() + t.element_size()
+    return (lo, hi)
+
+
+def _validate(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, out,
+              num_blocks, block_write_idx, eps, output_norm_eps):
+    if not isinstance(prefix, torch.Tensor) or prefix.dim() != 2:
+        raise _err("prefix", "must be a 2-D [M, H] tensor"
+                   + (f", got shape {tuple(prefix.shape)}" if isinstance(prefix, torch.Tensor) else ""))
+    m, h = prefix.shape
+    if h % 8 != 0 or h == 0:
+        raise _err("prefix", f"hidden size H={h} must be a positive multiple of 8")
+    if h > HIDDEN_TIERS[-1]:
+        raise _err("prefix", f"hidden size H={h} is over the supported maximum {HIDDEN_TIERS[-1]}")
+    _rows_ok("prefix", prefix, (m, h))
+    if delta is not None:
+        _rows_ok("delta", delta, (m, h))
+    if not isinstance(blocks, torch.Tensor) or blocks.dim() != 3:
+        raise _err("blocks", "must be a 3-D [M, NB, H] tensor")
+    nb = blocks.shape[1]
+    if not 1 <= nb <= MAX_SLOTS:
+        raise _err("blocks", f"must have 1..{MAX_SLOTS} slots (dim 1), got {nb}")
+    _rows_ok("blocks", blocks, (m, nb, h))
+    for name, w in (("norm_weight", norm_weight), ("qk_weight", qk_weight),
+                    ("output_norm_weight", output_norm_weight)):
+        if w is None and name == "output_norm_weight":
+            continue
+        _rows_ok(name, w, (h,))
+    _rows_ok("out", out, (m, h))
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not 0 <= num_blocks <= nb:
+        raise _err("num_blocks", f"must be an int in [0, NB={nb}], got {num_blocks!r}")
+    if isinstance(block_write_idx, bool) or not isinstance(block_write_idx, int) \
+            or not -1 <= block_write_idx < nb:
+        raise _err("block_write_idx", f"must be -1 or an int in [0, NB={nb}), got {block_write_idx!r}")
+    for name, e in (("eps", eps), ("output_norm_eps", output_norm_eps)):
+        if not isinstance(e, (int, float)) or not e >= 0:
+            raise _err(name, f"must be a non-negative float, got {e!r}")
+    dev = prefix.device
+    for name, t in (("delta", delta), ("blocks", blocks), ("norm_weight", norm_weight),
+                    ("qk_weight", qk_weight), ("output_norm_weight", output_norm_weight), ("out", out)):
+        if t is not None and t.device != dev:
+            raise _err(name, f"is on {t.device}, prefix on {dev}")
+    if not torch.compiler.is_compiling():
+        # out is written while the sources are still being read: it must not overlap them
+        o = _span(out)
+        for name, t in (("prefix", prefix), ("delta", delta), ("blocks", blocks)):
+            if t is not None:
+                a = _span(t)
+                if o[0] < a[1] and a[0] < o[1]:
+                    raise _err("out", f"overlaps '{name}' in memory")
+    if dev.type != "cuda":
+        raise _err("prefix", f"must be on a CUDA device, got {dev} "
+                             f"(cutekern.reference.attn_res_reference is the CPU reference)")
+
+
+class AttnResRunner:
+    """A prepared AttnRes call: ``launch()`` re-runs it on the current stream with whatever
+    the tensors hold then (same addresses). Allocates nothing, never syncs the host."""
+
+    def __init__(self, call, m, h, num_blocks):
+        self._call = call
+        self.m, self.hidden, self.num_blocks = m, h, num_blocks
+
+    def launch(self):
+        if self._call is not None:
+            self._call.launch()
+
+    def bytes_moved(self) -> int:
+        """The spec's traffic model: (K + 4) * M * H * 2."""
+        return (self.num_blocks + 4) * self.m * self.hidden * 2
+
+
+def _function(h, device):
+    from .dispatch import get_function
+    tier = next(t for t in HIDDEN_TIERS if h <= t)
+    return get_function("attn_res", {"dtype": "bfloat16"}, {"max_hidden": tier}, device)
+
+
+def prepare_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, out, *,
+                     num_blocks, block_write_idx=-1, eps=1e-5, output_norm_eps=1e-5) -> AttnResRunner:
+    """Validate once and bind the kernel (see the module docstring for the math).
+
+    prefix [M, H] (updated in place when ``delta`` is given), delta [M, H] or None,
+    blocks [M, NB, H] (NB <= 8; slot ``block_write_idx`` receives the new prefix when >= 0),
+    norm_weight, qk_weight [H], output_norm_weight [H] or None, out [M, H]; all bf16 on one
+    CUDA device, H a multiple of 8 up to 16384; num_blocks K in [0, NB].
+    """
+    _validate(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, out,
+              num_blocks, block_write_idx, eps, output_norm_eps)
+    m, h = prefix.shape
+    if m == 0:
+        return AttnResRunner(None, m, h, num_blocks)
+    fn = _function(h, prefix.device)
+    call = fn.bind(prefix, prefix if delta is None else delta, blocks, norm_weight, qk_weight,
+                   norm_weight if output_norm_weight is None else output_norm_weight, out,
+                   int(num_blocks), int(block_write_idx), int(delta is not None),
+                   int(output_norm_weight is not None), float(eps), float(output_norm_eps))
+    return AttnResRunner(call, m, h, num_blocks)
+
+
+def attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight=None, out=None, *,
+             num_blocks, block_write_idx=-1, eps=1e-5, output_norm_eps=1e-5):
+    """One-shot AttnRes; returns ``out`` (allocated when None). Same contract as
+    ``prepare_attn_res``; works under torch.compile (custom op ``cutekern::attn_res``)."""
+    if out is None and isinstance(prefix, torch.Tensor):
+        out = torch.empty_like(prefix, memory_format=torch.contiguous_format)
+    if torch.compiler.is_compiling():
+        torch.ops.cutekern.attn_res(prefix, delta, blocks, norm_weight, qk_weight,
+                                    output_norm_weight, out, num_blocks, block_write_idx,
+                                    float(eps), float(output_norm_eps))
+    else:
+        prepare_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, out,
+                         num_blocks=num_blocks, block_write_idx=block_write_idx, eps=eps,
+                         output_norm_eps=output_norm_eps).launch()
+    return out
+
+
+@torch.library.custom_op("cutekern::attn_res", mutates_args=("prefix", "blocks", "out"))
+def _attn_res_op(prefix: torch.Tensor, delta: torch.Tensor | None, blocks: torch.Tensor,
+                 norm_weight: torch.Tensor, qk_weight: torch.Tensor,
+                 output_norm_weight: torch.Tensor | None, out: torch.Tensor, num_blocks: int,
+                 block_write_idx: int, eps: float, output_norm_eps: float) -> None:
+    prepare_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, out,
+                     num_blocks=num_blocks, block_write_idx=block_write_idx, eps=eps,
+                     output_norm_eps=output_norm_eps).launch()
+
+
+@_attn_res_op.register_fake
+def _(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, out, num_blocks,
+      block_write_idx, eps, output_norm_eps):
+    return None

@@ -1,0 +1,329 @@
+"""Deterministic MoE-LoRA shrink / expand (BGMV for mixture-of-experts layers).
+
+    plan = prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices)
+    plan.run()      # shrink + expand: no allocation, no host sync, CUDA-graph capturable
+    plan.out        # [T, H_out] fp32 (finalized), or [T*k, H_out] per pair
+    s = bgmv_moe_shrink(x, lora_a, topk_ids, lora_indices)              # [T*k, r]
+    y = bgmv_moe_expand(s, lora_b, topk_ids, lora_indices, topk_weights)  # [T, H_out]
+
+Pairs p = t * k + j. Tokens with lora -1 contribute zero. Pairs may be processed in token
+order (default) or in an expert-sorted order (``sorted_token_ids``, vLLM's
+moe_align_block_size layout: pair indices, entries >= T*k are padding); the result is the
+same, bit for bit. Every output element is produced by one owner with a fixed fp32
+summation order and no atomics, so results are bitwise reproducible and batch-invariant
+(a token's result does not depend on the other tokens). See kernels/CONTRACT_BGMV.md.
+"""
+from __future__ import annotations
+
+import torch
+
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+MAX_TOPK, MAX_LORAS, MAX_EXPERTS = 8, 16, 512
+RANKS = (8, 64)  # inclusive range; multiples of 8
+
+
+def _err(op, name, msg):
+    return ValueError(f"{op}: argument '{name}' {msg}")
+
+
+def _tensor(op, name, t, dtype, rank):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None and t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
+        raise TypeError(f"{op}: argument '{name}' must be "
+                        f"{' or '.join(str(d) for d in (dtype if isinstance(dtype, tuple) else (dtype,)))}"
+                        f", got {t.dtype}")
+    if t.dim() != rank:
+        raise _err(op, name, f"must be {rank}-D, got shape {tuple(t.shape)}")
+
+
+def _contig(op, name, t, align=8):
+    if t.numel() == 0:
+        return
+    if not t.is_contiguous():
+        raise _err(op, name, "must be contiguous")
+    if not torch.compiler.is_compiling() and t.data_ptr() % 16 != 0:
+        raise _err(op, name, "data pointer must be 16-byte aligned")
+
+
+def _check_routing(op, topk_ids, topk_weights, lora_indices, t, dev, need_weights):
+    _tensor(op, "topk_ids", topk_ids, torch.int32, 2)
+    if topk_ids.shape[0] != t:
+        raise _err(op, "topk_ids", f"must have T={t} rows, got shape {tuple(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    if not 1 <= k <= MAX_TOPK:
+        raise _err(op, "topk_ids", f"top-k {k} must be in 1..{MAX_TOPK}")
+    _contig(op, "topk_ids", topk_ids)
+    _tensor(op, "lora_indices", lora_indices, torch.int32, 1)
+    if lora_indices.shape[0] != t:
+        raise _err(op, "lora_indices", f"must have T={t} entries, got {lora_indices.shape[0]}")
+    _contig(op, "lora_indices", lora_indices)
+    if need_weights:
+        _tensor(op, "topk_weights", topk_weights, torch.float32, 2)
+        if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            raise _err(op, "topk_weights", f"must have the shape of topk_ids {tuple(topk_ids.shape)}, "
+                                           f"got {tuple(topk_weights.shape)}")
+        _contig(op, "topk_weights", topk_weights)
+    for name, x in (("topk_ids", topk_ids), ("lora_indices", lora_indices),
+                    ("topk_weights", topk_weights if need_weights else None)):
+        if x is not None and x.device != dev:
+            raise _err(op, name, f"is on {x.device}, expected {dev}")
+    return k
+
+
+def _check_values(op, topk_ids, lora_indices, num_loras, num_experts, order=None, num_pairs=0):
+    """Index ranges, one device sync (prepare time only; never inside a capture)."""
+    if topk_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    checks = [torch.zeros((), dtype=torch.bool, device=topk_ids.device)] * 3
+    if topk_ids.numel():
+        checks[0] = (topk_ids.min() < 0) | (topk_ids.max() >= num_experts)
+        checks[1] = (lora_indices.min() < -1) | (lora_indices.max() >= num_loras)
+    if order is not None:
+        valid = order[(order >= 0) & (order < num_pairs)]
+        seen = torch.zeros(num_pairs, dtype=torch.int32, device=order.device)
+        seen.index_add_(0, valid.long(), torch.ones_like(valid))
+        checks[2] = (order < 0).any() | (seen != 1).any()
+    flags = torch.stack(checks).tolist()
+    if flags[0]:
+        raise _err(op, "topk_ids", f"has expert ids outside [0, E={num_experts})")
+    if flags[1]:
+        raise _err(op, "lora_indices", f"has values outside [-1, L={num_loras})")
+    if flags[2]:
+        raise _err(op, "sorted_token_ids", f"must name every pair in [0, T*k={num_pairs}) exactly once "
+                                           f"(other entries must be >= T*k padding)")
+
+
+def _check_x_a(op, x, lora_a):
+    _tensor(op, "x", x, tuple(_DTYPES), 2)
+    _tensor(op, "lora_a", lora_a, x.dtype, 4)
+    t, h = x.shape
+    num_l, num_e, r, ha = lora_a.shape
+    if ha != h:
+        raise _err(op, "lora_a", f"must be [L, E, r, H] with H={h} like x, got shape {tuple(lora_a.shape)}")
+    if h % 8 != 0 or h == 0:
+        raise _err(op, "x", f"hidden size {h} must be a positive multiple of 8")
+    _check_dims(op, "lora_a", num_l, num_e, r)
+    _contig(op, "x", x)
+    _contig(op, "lora_a", lora_a)
+    if lora_a.device != x.device:
+        raise _err(op, "lora_a", f"is on {lora_a.device}, x on {x.device}")
+    return t, h, num_l, num_e, r
+
+
+def _require_cuda(op, name, t):
+    # last of the checks, so CPU-only machines can test all the others
+    if t.device.type != "cuda":
+        raise _err(op, name, f"must be on a CUDA device, got {t.device} (cutekern.reference has the reference)")
+
+
+def _check_dims(op, name, num_l, num_e, r):
+    if not 1 <= num_l <= MAX_LORAS:
+        raise _err(op, name, f"must have 1..{MAX_LORAS} adapters (dim 0), got {num_l}")
+    if not 1 <= num_e <= MAX_EXPERTS:
+        raise _err(op, name, f"must have 1..{MAX_EXPERTS} experts (dim 1), got {num_e}")
+    if not (RANKS[0] <= r <= RANKS[1] and r % 8 == 0):
+        raise _err(op, name, f"rank {r} must be a multiple of 8 in [{RANKS[0]}, {RANKS[1]}]")
+
+
+def _check_b(op, lora_b, s_dtype, num_l, num_e, r, dev):
+    _tensor(op, "lora_b", lora_b, s_dtype, 4)
+    lb, eb, n, rb = lora_b.shape
+    if (lb, eb, rb) != (num_l, num_e, r):
+        raise _err(op, "lora_b", f"must be [L={num_l}, E={num_e}, H_out, r={r}], got shape {tuple(lora_b.shape)}")
+    if n % 8 != 0 or n == 0:
+        raise _err(op, "lora_b", f"output size H_out={n} must be a positive multiple of 8")
+    _contig(op, "lora_b", lora_b)
+    if lora_b.device != dev:
+        raise _err(op, "lora_b", f"is on {lora_b.device}, expected {dev}")
+    return n
+
+
+def _check_out(op, name, out, shape, dtype, dev):
+    if out is None:
+        return
+    _tensor(op, name, out, dtype, len(shape))
+    if tuple(out.shape) != tuple(shape):
+        raise _err(op, name, f"must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.device != dev:
+        raise _err(op, name, f"is on {out.device}, expected {dev}")
+    _contig(op, name, out)
+
+
+def _functions(dtype, finalize, device):
+    from .dispatch import get_function
+    dt = {"dtype": _DTYPES[dtype]}
+    return (get_function("bgmv_shrink", dt, {}, device),
+            get_function("bgmv_expand", dt, {"finalize": bool(finalize)}, device))
+
+
+class BgmvMoePlan:
+    """Bound shrink + expand launches over fixed buffers. ``run()`` re-runs both on the
+    current stream with the tensors' current contents: it allocates nothing, never syncs
+    the host and can be captured in a CUDA graph (one replay = shrink + expand)."""
+
+    def __init__(self, shrink_call, expand_call, shrink_out, out, meta):
+        self._shrink, self._expand = shrink_call, expand_call
+        self.shrink_out, self.out = shrink_out, out
+        self.meta = meta
+
+    def run(self):
+        if self._shrink is not None:
+            self._shrink.launch()
+            self._expand.launch()
+        return self.out
+
+    def bytes_moved(self, bins_touched: int) -> int:
+        """The spec's roofline bytes for U = ``bins_touched`` distinct (adapter, expert) bins."""
+        m = self.meta
+        b = m["elem_bytes"]
+        idx = m["T"] * 4 + m["P"] * 8
+        shrink = m["T"] * m["H"] * b + bins_touched * m["r"] * m["H"] * b + m["P"] * m["r"] * b + idx
+        expand = m["P"] * m["r"] * b + bins_touched * m["N"] * m["r"] * b + m["T"] * m["N"] * 4 + idx
+        return shrink + expand
+
+
+def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
+                     sorted_token_ids=None, finalize=True, out=None, shrink_out=None,
+                     check_indices=True) -> BgmvMoePlan:
+    """Validate everything once and bind shrink + expand.
+
+    x [T, H] (fp16/bf16), lora_a [L, E, r, H], lora_b [L, E, H_out, r] (same dtype),
+    topk_ids int32 [T, k] in [0, E), topk_weights fp32 [T, k], lora_indices int32 [T] in
+    [-1, L). ``finalize``: out [T, H_out] fp32 = sum_j w[t, j] * delta(t, j); otherwise
+    out [T*k, H_out] fp32 holds the unweighted per-pair deltas. ``sorted_token_ids``
+    (int32, optional): the pairs in expert-sorted order (padding entries >= T*k).
+    ``check_indices`` checks the index values now (one device sync); run() never checks,
+    so replays with new routing must keep ids in range (out-of-range pairs are skipped).
+    """
+    op = "prepare_bgmv_moe"
+    t, h, num_l, num_e, r = _check_x_a(op, x, lora_a)
+    dev = x.device
+    k = _check_routing(op, topk_ids, topk_weights, lora_indices, t, dev, need_weights=finalize)
+    n = _check_b(op, lora_b, x.dtype, num_l, num_e, r, dev)
+    p = t * k
+    if sorted_token_ids is not None:
+        _tensor(op, "sorted_token_ids", sorted_token_ids, torch.int32, 1)
+        _contig(op, "sorted_token_ids", sorted_token_ids)
+        if sorted_token_ids.device != dev:
+            raise _err(op, "sorted_token_ids", f"is on {sorted_token_ids.device}, x on {dev}")
+    _check_out(op, "shrink_out", shrink_out, (p, r), x.dtype, dev)
+    _check_out(op, "out", out, (t, n) if finalize else (p, n), torch.float32, dev)
+    _require_cuda(op, "x", x)
+    if check_indices:
+        _check_values(op, topk_ids, lora_indices, num_l, num_e, sorted_token_ids, p)
+    s = shrink_out if shrink_out is not None else torch.empty(p, r, dtype=x.dtype, device=dev)
+    y = out if out is not None else torch.empty((t, n) if finalize else (p, n), dtype=torch.float32,
+                                                device=dev)
+    meta = {"T": t, "k": k, "P": p, "H": h, "N": n, "r": r, "L": num_l, "E": num_e,
+            "elem_bytes": x.element_size(), "finalize": finalize}
+    if t == 0:
+        return BgmvMoePlan(None, None, s, y, meta)
+    order = sorted_token_ids if sorted_token_ids is not None else \
+        torch.arange(p, dtype=torch.int32, device=dev)
+    shrink_fn, expand_fn = _functions(x.dtype, finalize, dev)
+    w = topk_weights if finalize else torch.zeros(t, k, dtype=torch.float32, device=dev)
+    sc = shrink_fn.bind(x, lora_a, topk_ids, lora_indices, order, s)
+    ec = expand_fn.bind(s, lora_b, topk_ids, lora_indices, w, y)
+    plan = BgmvMoePlan(sc, ec, s, y, meta)
+    plan._keep = (order, w)
+    return plan
+
+
+def bgmv_moe_shrink(x, lora_a, topk_ids, lora_indices, *, sorted_token_ids=None, out=None,
+                    check_indices=True):
+    """s [T*k, r] in x's dtype: s[t*k + j] = x[t] @ lora_a[lora[t], topk_ids[t, j]]^T (fp32
+    accumulation; 0 for tokens with lora -1)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.cutekern.bgmv_moe_shrink(x, lora_a, topk_ids, lora_indices, sorted_token_ids)
+    return _shrink_impl(x, lora_a, topk_ids, lora_indices, sorted_token_ids, out, check_indices)
+
+
+def _shrink_impl(x, lora_a, topk_ids, lora_indices, sorted_token_ids, out, check_indices):
+    op = "bgmv_moe_shrink"
+    t, h, num_l, num_e, r = _check_x_a(op, x, lora_a)
+    k = _check_routing(op, topk_ids, None, lora_indices, t, x.device, need_weights=False)
+    p = t * k
+    if sorted_token_ids is not None:
+        _tensor(op, "sorted_token_ids", sorted_token_ids, torch.int32, 1)
+        _contig(op, "sorted_token_ids", sorted_token_ids)
+    _check_out(op, "out", out, (p, r), x.dtype, x.device)
+    _require_cuda(op, "x", x)
+    if check_indices:
+        _check_values(op, topk_ids, lora_indices, num_l, num_e, sorted_token_ids, p)
+    s = out if out is not None else torch.empty(p, r, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return s
+    from .dispatch import get_function
+    fn = get_function("bgmv_shrink", {"dtype": _DTYPES[x.dtype]}, {}, x.device)
+    order = sorted_token_ids if sorted_token_ids is not None else \
+        torch.arange(p, dtype=torch.int32, device=x.device)
+    fn(x, lora_a, topk_ids, lora_indices, order, s)
+    return s
+
+
+def bgmv_moe_expand(s, lora_b, topk_ids, lora_indices, topk_weights=None, *, finalize=True,
+                    out=None, check_indices=True):
+    """fp32 expand of a shrink result s [T*k, r]: finalized y [T, H_out] = sum_j
+    topk_weights[t, j] * s[t*k+j] @ lora_b[lora[t], e]^T (needs topk_weights), or per pair
+    [T*k, H_out] (unweighted) with ``finalize=False``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.cutekern.bgmv_moe_expand(s, lora_b, topk_ids, lora_indices, topk_weights, finalize)
+    return _expand_impl(s, lora_b, topk_ids, lora_indices, topk_weights, finalize, out, check_indices)
+
+
+def _expand_impl(s, lora_b, topk_ids, lora_indices, topk_weights, finalize, out, check_indices):
+    op = "bgmv_moe_expand"
+    _tensor(op, "s", s, tuple(_DTYPES), 2)
+    _tensor(op, "lora_b", lora_b, s.dtype, 4)
+    num_l, num_e, n, r = lora_b.shape
+    _check_dims(op, "lora_b", num_l, num_e, r)
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise _err(op, "topk_ids", "must be a 2-D int32 [T, k] tensor")
+    t = topk_ids.shape[0]
+    if finalize and topk_weights is None:
+        raise _err(op, "topk_weights", "is required when finalize=True")
+    k = _check_routing(op, topk_ids, topk_weights, lora_indices, t, s.device, need_weights=finalize)
+    if tuple(s.shape) != (t * k, r):
+        raise _err(op, "s", f"must have shape (T*k={t * k}, r={r}), got {tuple(s.shape)}")
+    _contig(op, "s", s)
+    _check_b(op, lora_b, s.dtype, num_l, num_e, r, s.device)
+    shape = (t, n) if finalize else (t * k, n)
+    _check_out(op, "out", out, shape, torch.float32, s.device)
+    _require_cuda(op, "s", s)
+    if check_indices:
+        _check_values(op, topk_ids, lora_indices, num_l, num_e)
+    y = out if out is not None else torch.empty(shape, dtype=torch.float32, device=s.device)
+    if t == 0:
+        return y
+    from .dispatch import get_function
+    fn = get_function("bgmv_expand", {"dtype": _DTYPES[s.dtype]}, {"finalize": bool(finalize)}, s.device)
+    w = topk_weights if finalize else torch.zeros(t, k, dtype=torch.float32, device=s.device)
+    fn(s, lora_b, topk_ids, lora_indices, w, y)
+    return y
+
+
+# ------------------------------------------------------------------ torch custom ops
+# (torch.compile; index values are checked by the prepare-time API, not inside graphs)
+@torch.library.custom_op("cutekern::bgmv_moe_shrink", mutates_args=())
+def _shrink_op(x: torch.Tensor, lora_a: torch.Tensor, topk_ids: torch.Tensor,
+               lora_indices: torch.Tensor, sorted_token_ids: torch.Tensor | None) -> torch.Tensor:
+    return _shrink_impl(x, lora_a, topk_ids, lora_indices, sorted_token_ids, None, False)
+
+
+@_shrink_op.register_fake
+def _(x, lora_a, topk_ids, lora_indices, sorted_token_ids):
+    return x.new_empty(topk_ids.shape[0] * topk_ids.shape[1], lora_a.shape[2])
+
+
+@torch.library.custom_op("cutekern::bgmv_moe_expand", mutates_args=())
+def _expand_op(s: torch.Tensor, lora_b: torch.Tensor, topk_ids: torch.Tensor,
+               lora_indices: torch.Tensor, topk_weights: torch.Tensor | None,
+               finalize: bool) -> torch.Tensor:
+    return _expand_impl(s, lora_b, topk_ids, lora_indices, topk_weights, finalize, None, False)
+
+
+@_expand_op.register_fake
+def _(s, lora_b, topk_ids, lora_indices, topk_weights, finalize):
+    rows = topk_ids.shape[0] if finalize else s.shape[0]
+    return s.new_empty(rows, lora_b.shape[2], dtype=torch.float32)

@@ -1,0 +1,214 @@
+"""BGMV MoE-LoRA on the GPU: shrink against the float64 reference (within one rounding to the
+input dtype), expand against the float64 expand of the kernel's own shrink output, bitwise
+determinism over 100 runs, batch invariance, token order == expert-sorted order bit for
+bit, lora -1 tokens, routing skew, CUDA-graph replay with new contents, hypothesis fuzz."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from cutekern.bgmv_moe import bgmv_moe_expand, bgmv_moe_shrink, prepare_bgmv_moe
+from cutekern.reference import bgmv_expand_reference, bgmv_live, bgmv_shrink_reference
+
+DTYPES = [torch.bfloat16, torch.float16]
+EPS = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+
+
+def make(t, k, h, n, r, num_l, num_e, dtype, seed, *, skew=False, none_frac=0.2):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(t, h, device="cuda", generator=g).to(dtype)
+    a = (torch.randn(num_l, num_e, r, h, device="cuda", generator=g) * h ** -0.5).to(dtype)
+    b = (torch.randn(num_l, num_e, n, r, device="cuda", generator=g) * r ** -0.5).to(dtype)
+    if skew:  # every token to the same experts
+        ids = torch.arange(k, device="cuda", dtype=torch.int32).remainder(num_e).repeat(t, 1)
+    else:
+        ids = torch.stack([torch.randperm(num_e, device="cuda", generator=g)[:k] if k <= num_e else
+                           torch.randint(0, num_e, (k,), device="cuda", generator=g)
+                           for _ in range(t)]).to(torch.int32) if t else \
+            torch.zeros(0, k, dtype=torch.int32, device="cuda")
+    w = torch.softmax(torch.randn(t, k, device="cuda", generator=g), -1)
+    lora = torch.randint(0, num_l, (t,), device="cuda", generator=g, dtype=torch.int32)
+    lora[torch.rand(t, device="cuda", generator=g) < none_frac] = -1
+    return x, a, b, ids.contiguous(), w.contiguous(), lora
+
+
+def sorted_order(ids, block=16):
+    """vLLM-style expert-sorted pair list, each expert's run padded to ``block`` with P."""
+    p = ids.numel()
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    out = []
+    for e in torch.unique(flat).tolist():
+        run = order[flat[order] == e]
+        pad = (-run.numel()) % block
+        out.append(torch.cat([run, torch.full((pad,), p, device=ids.device)]))
+    return torch.cat(out).to(torch.int32)
+
+
+def check_shrink(s, x, a, ids, lora):
+    ref = bgmv_shrink_reference(x, a, ids, lora).double()
+    o = s.double()
+    assert torch.isfinite(o).all(), "non-finite shrink output"
+    eps = EPS[s.dtype]
+    # fp32 accumulation then one rounding: half an ulp of |ref| plus fp32 slack on sum|x a|
+    mag = bgmv_shrink_reference(x.abs(), a.abs(), ids, lora).double()
+    err = (o - ref).abs()
+    bad = err > eps * ref.abs() + 1e-5 * mag + 1e-6
+    assert not bad.any(), f"shrink: {bad.sum().item()} / {bad.numel()} off; max err {err.max().item():.3g}"
+
+
+def check_expand(y, s, b, ids, lora, w):
+    ref = bgmv_expand_reference(s, b, ids, lora, w).double()
+    mag = bgmv_expand_reference(s.abs(), b.abs(), ids, lora, None if w is None else w.abs()).double()
+    o = y.double()
+    assert y.dtype == torch.float32
+    assert torch.isfinite(o).all(), "non-finite expand output"
+    err = (o - ref).abs()
+    bad = err > 1e-5 * mag + 1e-7
+    assert not bad.any(), f"expand: {bad.sum().item()} / {bad.numel()} off; max err {err.max().item():.3g}"
+
+
+def run_plan(x, a, b, ids, w, lora, *, finalize=True, order=None):
+    t, k = ids.shape
+    n, r = b.shape[2], a.shape[2]
+    s = torch.full((t * k, r), float("nan"), dtype=x.dtype, device="cuda")
+    y = torch.full((t, n) if finalize else (t * k, n), float("nan"), device="cuda")
+    plan = prepare_bgmv_moe(x, a, b, ids, w, lora, sorted_token_ids=order, finalize=finalize,
+                            out=y, shrink_out=s)
+    plan.run()
+    torch.cuda.synchronize()
+    return plan
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,k,h,n,r,num_l,num_e", [
+    (1, 6, 2688, 2688, 32, 8, 128),
+    (4, 2, 3072, 3072, 16, 4, 256),
+    (32, 8, 3072, 3072, 64, 8, 256),
+    (257, 6, 2688, 2688, 32, 8, 128),
+    (33, 3, 1032, 4104, 8, 1, 5),
+    (5, 1, 8, 8, 8, 16, 512),
+])
+def test_plan_matches_reference(design, dtype, t, k, h, n, r, num_l, num_e):
+    x, a, b, ids, w, lora = make(t, k, h, n, r, num_l, num_e, dtype, seed=t * 31 + k)
+    for finalize in (True, False):
+        plan = run_plan(x, a, b, ids, w, lora, finalize=finalize)
+        check_shrink(plan.shrink_out, x, a, ids, lora)
+        check_expand(plan.out, plan.shrink_out, b, ids, lora, w if finalize else None)
+
+
+def test_skipped_tokens_give_zero_rows(design):
+    x, a, b, ids, w, lora = make(40, 4, 1024, 512, 16, 4, 16, torch.bfloat16, seed=2)
+    lora[::3] = -1
+    plan = run_plan(x, a, b, ids, w, lora)
+    dead = lora < 0
+    assert (plan.out[dead] == 0).all()
+    assert (plan.shrink_out.view(40, 4, 16)[dead] == 0).all()
+    check_expand(plan.out, plan.shrink_out, b, ids, lora, w)
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_sorted_order_equals_token_order_bitwise(design, skew):
+    x, a, b, ids, w, lora = make(300, 6, 2688, 2688, 32, 8, 128, torch.bfloat16, seed=4, skew=skew)
+    p1 = run_plan(x, a, b, ids, w, lora)
+    s1, y1 = p1.shrink_out.clone(), p1.out.clone()
+    p2 = run_plan(x, a, b, ids, w, lora, order=sorted_order(ids))
+    assert torch.equal(p2.shrink_out, s1) and torch.equal(p2.out, y1)
+    check_shrink(s1, x, a, ids, lora)
+    check_expand(y1, s1, b, ids, lora, w)
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_bitwise_deterministic_over_100_runs(design, skew):
+    x, a, b, ids, w, lora = make(512, 6, 2688, 2688, 32, 8, 128, torch.bfloat16, seed=5, skew=skew)
+    plan = run_plan(x, a, b, ids, w, lora)
+    s0, y0 = plan.shrink_out.clone(), plan.out.clone()
+    for _ in range(100):
+        plan.shrink_out.fill_(float("nan"))
+        plan.out.fill_(float("nan"))
+        plan.run()
+        torch.cuda.synchronize()
+        assert torch.equal(plan.shrink_out, s0) and torch.equal(plan.out, y0)
+
+
+def test_batch_invariance(design):
+    """A token's outputs do not depend on which other tokens share the batch."""
+    x, a, b, ids, w, lora = make(256, 6, 2688, 2688, 32, 8, 128, torch.bfloat16, seed=6)
+    full = run_plan(x, a, b, ids, w, lora)
+    for sel in (torch.arange(1, device="cuda"), torch.arange(0, 256, 7, device="cuda"),
+                torch.randperm(256, device="cuda")[:33]):
+        sub = run_plan(x[sel].contiguous(), a, b, ids[sel].contiguous(), w[sel].contiguous(),
+                       lora[sel].contiguous())
+        assert torch.equal(sub.out, full.out[sel])
+        assert torch.equal(sub.shrink_out.view(len(sel), 6, -1), full.shrink_out.view(256, 6, -1)[sel])
+
+
+def test_graph_replay_with_new_contents(design):
+    t, k, h, n, r, num_l, num_e = 32, 6, 2688, 2688, 32, 8, 128
+    x, a, b, ids, w, lora = make(t, k, h, n, r, num_l, num_e, torch.bfloat16, seed=7)
+    plan = prepare_bgmv_moe(x, a, b, ids, w, lora)
+    plan.run()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        plan.run()
+    assert torch.cuda.memory_allocated() == before, "run() allocated memory"
+    for seed in (8, 9, 10):
+        new = make(t, k, h, n, r, num_l, num_e, torch.bfloat16, seed=seed)
+        for dst, src in zip((x, a, b, ids, w, lora), new):
+            dst.copy_(src)
+        plan.shrink_out.fill_(float("nan"))
+        plan.out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check_shrink(plan.shrink_out, x, a, ids, lora)
+        check_expand(plan.out, plan.shrink_out, b, ids, lora, w)
+
+
+def test_one_shot_and_compile(design):
+    x, a, b, ids, w, lora = make(9, 2, 512, 256, 16, 2, 8, torch.float16, seed=11)
+    s = bgmv_moe_shrink(x, a, ids, lora)
+    y = bgmv_moe_expand(s, b, ids, lora, w)
+    yp = bgmv_moe_expand(s, b, ids, lora, finalize=False)
+    torch.cuda.synchronize()
+    check_shrink(s, x, a, ids, lora)
+    check_expand(y, s, b, ids, lora, w)
+    check_expand(yp, s, b, ids, lora, None)
+    f = torch.compile(lambda *args: bgmv_moe_expand(bgmv_moe_shrink(*args[:4]), b, args[2], args[3], args[4]),
+                      fullgraph=True)
+    yc = f(x, a, ids, lora, w)
+    assert torch.equal(yc, y)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+@given(t=st.integers(1, 300), k=st.integers(1, 8), h8=st.integers(1, 600), n8=st.integers(1, 600),
+       r=st.sampled_from([8, 16, 24, 32, 40, 48, 56, 64]), num_l=st.integers(1, 16),
+       num_e=st.sampled_from([1, 3, 8, 64, 128, 512]), skew=st.booleans(),
+       none_frac=st.sampled_from([0.0, 0.3, 1.0]), finalize=st.booleans(),
+       dtype=st.sampled_from(DTYPES), sort=st.booleans(), seed=st.integers(0, 2**30))
+def test_fuzz(design, t, k, h8, n8, r, num_l, num_e, skew, none_frac, finalize, dtype, sort, seed):
+    h, n = 8 * h8, 8 * n8
+    if num_l * num_e * r * (h + n) * 2 > 2**30:  # keep the weights under 1 GiB
+        num_e = max(1, 2**30 // (num_l * r * (h + n) * 2))
+    x, a, b, ids, w, lora = make(t, k, h, n, r, num_l, num_e, dtype, seed, skew=skew,
+                                 none_frac=none_frac)
+    plan = run_plan(x, a, b, ids, w, lora, finalize=finalize, order=sorted_order(ids) if sort else None)
+    check_shrink(plan.shrink_out, x, a, ids, lora)
+    check_expand(plan.out, plan.shrink_out, b, ids, lora, w if finalize else None)
+    assert bgmv_live(ids, lora, num_l, num_e).shape == ids.shape
+
+
+def test_bad_inputs_name_the_argument():
+    x, a, b, ids, w, lora = make(4, 2, 256, 256, 16, 2, 8, torch.bfloat16, seed=0)
+    bad = ids.clone()
+    bad[0, 0] = 8
+    with pytest.raises(ValueError, match="'topk_ids'"):
+        prepare_bgmv_moe(x, a, b, bad, w, lora)
+    bad_l = lora.clone()
+    bad_l[1] = 2
+    with pytest.raises(ValueError, match="'lora_indices'"):
+        prepare_bgmv_moe(x, a, b, ids, w, bad_l)
+    with pytest.raises(ValueError, match="'sorted_token_ids'"):
+        prepare_bgmv_moe(x, a, b, ids, w, lora, sorted_token_ids=torch.zeros(8, dtype=torch.int32, device="cuda"))
+    with pytest.raises(TypeError, match="'lora_b'"):
+        prepare_bgmv_moe(x, a, b.half(), ids, w, lora)
