@@ -164,6 +164,8 @@ def bgmv_expand_abi(dtype: str) -> tuple:
       y        (T, N) fp32 finalize: y[t] = sum_{j=0..k-1, in order} w[t,j] * s[p] @ b[l,e]^T
                (P, N) fp32 per pair: y[p] = s[p] @ b[l, e]^T
                rows of skipped tokens / pairs are written as 0
+      ws       (P, N) fp32   workspace of the bin-grouped large-T schedule (finalize):
+               per-pair deltas, summed per token in a fixed order by a second pass
     """
     return (
         TensorArg("s", dtype, 2, align=8),
@@ -172,5 +174,6 @@ def bgmv_expand_abi(dtype: str) -> tuple:
         TensorArg("lora", "int32", 1, align=1),
         TensorArg("topk_w", "float32", 2, align=1),
         TensorArg("y", "float32", 2, align=4),
+        TensorArg("ws", "float32", 2, align=4),
         StreamArg(),
     )

@@ -11,6 +11,8 @@ prefix). Each source row is read from HBM once (see kernels/CONTRACT_ATTN_RES.md
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 MAX_SLOTS = 8
@@ -115,10 +117,31 @@ class AttnResRunner:
         return (self.num_blocks + 4) * self.m * self.hidden * 2
 
 
-def _function(h, device):
+# rows per launch up to which a row is split over the CTAs of a cluster (sm90 design):
+# with far fewer rows than SMs, one CTA per row leaves most of the GPU idle and each row's
+# sources stream through one SM. Picked from an H200 sweep (perf/results/tune_memops_h200.json,
+# H=7168, K=8): split 8 is best up to M=8, 4 at M=16, 2 at M=32..64, 1 from M=128.
+_SPLIT_FOR_ROWS = ((8, 8), (16, 4), (64, 2))
+
+
+def _row_split(m, design):
+    from .registry import OPS
+    have = {dict(f)["row_split"] for _, f in OPS["attn_res"].variants_for(design)}
+    for rows, split in _SPLIT_FOR_ROWS:
+        if m <= rows and split in have:
+            return split
+    return 1
+
+
+def _function(m, h, device):
+    from .arch import target_arch, target_design
     from .dispatch import get_function
     tier = next(t for t in HIDDEN_TIERS if h <= t)
-    return get_function("attn_res", {"dtype": "bfloat16"}, {"max_hidden": tier}, device)
+    # $CUTEKERN_ATTN_RES_SPLIT forces a split (tuning sweeps, perf/tune_memops.py)
+    split = int(os.environ.get("CUTEKERN_ATTN_RES_SPLIT", 0)) or \
+        _row_split(m, target_design(target_arch(device)))
+    return get_function("attn_res", {"dtype": "bfloat16"},
+                        {"max_hidden": tier, "row_split": split}, device)
 
 
 def prepare_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, out, *,
@@ -135,7 +158,7 @@ def prepare_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_
     m, h = prefix.shape
     if m == 0:
         return AttnResRunner(None, m, h, num_blocks)
-    fn = _function(h, prefix.device)
+    fn = _function(m, h, prefix.device)
     call = fn.bind(prefix, prefix if delta is None else delta, blocks, norm_weight, qk_weight,
                    norm_weight if output_norm_weight is None else output_norm_weight, out,
                    int(num_blocks), int(block_write_idx), int(delta is not None),

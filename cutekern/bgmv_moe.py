@@ -37,13 +37,15 @@ def _tensor(op, name, t, dtype, rank):
         raise _err(op, name, f"must be {rank}-D, got shape {tuple(t.shape)}")
 
 
-def _contig(op, name, t, align=8):
+def _contig(op, name, t, align_bytes=16):
+    """Contiguous; 16-byte aligned for the rows the kernels copy in 16-byte pieces, natural
+    alignment for the index / weight tables (read element by element)."""
     if t.numel() == 0:
         return
     if not t.is_contiguous():
         raise _err(op, name, "must be contiguous")
-    if not torch.compiler.is_compiling() and t.data_ptr() % 16 != 0:
-        raise _err(op, name, "data pointer must be 16-byte aligned")
+    if not torch.compiler.is_compiling() and t.data_ptr() % align_bytes != 0:
+        raise _err(op, name, f"data pointer must be {align_bytes}-byte aligned")
 
 
 def _check_routing(op, topk_ids, topk_weights, lora_indices, t, dev, need_weights):
@@ -53,17 +55,17 @@ def _check_routing(op, topk_ids, topk_weights, lora_indices, t, dev, need_weight
     k = topk_ids.shape[1]
     if not 1 <= k <= MAX_TOPK:
         raise _err(op, "topk_ids", f"top-k {k} must be in 1..{MAX_TOPK}")
-    _contig(op, "topk_ids", topk_ids)
+    _contig(op, "topk_ids", topk_ids, 4)
     _tensor(op, "lora_indices", lora_indices, torch.int32, 1)
     if lora_indices.shape[0] != t:
         raise _err(op, "lora_indices", f"must have T={t} entries, got {lora_indices.shape[0]}")
-    _contig(op, "lora_indices", lora_indices)
+    _contig(op, "lora_indices", lora_indices, 4)
     if need_weights:
         _tensor(op, "topk_weights", topk_weights, torch.float32, 2)
         if tuple(topk_weights.shape) != tuple(topk_ids.shape):
             raise _err(op, "topk_weights", f"must have the shape of topk_ids {tuple(topk_ids.shape)}, "
                                            f"got {tuple(topk_weights.shape)}")
-        _contig(op, "topk_weights", topk_weights)
+        _contig(op, "topk_weights", topk_weights, 4)
     for name, x in (("topk_ids", topk_ids), ("lora_indices", lora_indices),
                     ("topk_weights", topk_weights if need_weights else None)):
         if x is not None and x.device != dev:
@@ -150,6 +152,18 @@ def _check_out(op, name, out, shape, dtype, dev):
     _contig(op, name, out)
 
 
+def _workspace(expand_fn, p, n, finalize, y, device):
+    """fp32 [P, N] workspace of the bin-grouped expand (large T, finalize): per-pair deltas
+    summed per token by a second, fixed-order pass. Small problems run the pair schedule,
+    which never touches it, so they get a one-row stand-in instead of P * N * 4 bytes."""
+    if not finalize:
+        return y
+    cfg = expand_fn.meta.get("config", {})
+    threshold = next((v for k, v in cfg.items() if k.startswith("bin_min")), 0)
+    rows = p if p >= int(threshold) else 1
+    return torch.empty(rows, n, dtype=torch.float32, device=device)
+
+
 def _functions(dtype, finalize, device):
     from .dispatch import get_function
     dt = {"dtype": _DTYPES[dtype]}
@@ -204,7 +218,7 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
     p = t * k
     if sorted_token_ids is not None:
         _tensor(op, "sorted_token_ids", sorted_token_ids, torch.int32, 1)
-        _contig(op, "sorted_token_ids", sorted_token_ids)
+        _contig(op, "sorted_token_ids", sorted_token_ids, 4)
         if sorted_token_ids.device != dev:
             raise _err(op, "sorted_token_ids", f"is on {sorted_token_ids.device}, x on {dev}")
     _check_out(op, "shrink_out", shrink_out, (p, r), x.dtype, dev)
@@ -223,10 +237,11 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
         torch.arange(p, dtype=torch.int32, device=dev)
     shrink_fn, expand_fn = _functions(x.dtype, finalize, dev)
     w = topk_weights if finalize else torch.zeros(t, k, dtype=torch.float32, device=dev)
+    ws = _workspace(expand_fn, p, n, finalize, y, dev)
     sc = shrink_fn.bind(x, lora_a, topk_ids, lora_indices, order, s)
-    ec = expand_fn.bind(s, lora_b, topk_ids, lora_indices, w, y)
+    ec = expand_fn.bind(s, lora_b, topk_ids, lora_indices, w, y, ws)
     plan = BgmvMoePlan(sc, ec, s, y, meta)
-    plan._keep = (order, w)
+    plan._keep = (order, w, ws)
     return plan
 
 
@@ -246,7 +261,7 @@ def _shrink_impl(x, lora_a, topk_ids, lora_indices, sorted_token_ids, out, check
     p = t * k
     if sorted_token_ids is not None:
         _tensor(op, "sorted_token_ids", sorted_token_ids, torch.int32, 1)
-        _contig(op, "sorted_token_ids", sorted_token_ids)
+        _contig(op, "sorted_token_ids", sorted_token_ids, 4)
     _check_out(op, "out", out, (p, r), x.dtype, x.device)
     _require_cuda(op, "x", x)
     if check_indices:
@@ -299,7 +314,7 @@ def _expand_impl(s, lora_b, topk_ids, lora_indices, topk_weights, finalize, out,
     from .dispatch import get_function
     fn = get_function("bgmv_expand", {"dtype": _DTYPES[s.dtype]}, {"finalize": bool(finalize)}, s.device)
     w = topk_weights if finalize else torch.zeros(t, k, dtype=torch.float32, device=s.device)
-    fn(s, lora_b, topk_ids, lora_indices, w, y)
+    fn(s, lora_b, topk_ids, lora_indices, w, y, _workspace(fn, t * k, n, finalize, y, s.device))
     return y
 
 

@@ -117,7 +117,8 @@ def instantiate(key: KernelKey):
     if key.op == "ikbo_attn":
         return kcls(dts["dtype"], dict(key.flags)["head_dim"], cfg), mod
     if key.op == "attn_res":
-        return kcls(dts["dtype"], dict(key.flags)["max_hidden"], cfg), mod
+        fl = dict(key.flags)
+        return kcls(dts["dtype"], fl["max_hidden"], cfg, row_split=fl["row_split"]), mod
     if key.op == "bgmv_shrink":
         return kcls(dts["dtype"], cfg), mod
     if key.op == "bgmv_expand":

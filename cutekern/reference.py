@@ -126,28 +126,38 @@ def bgmv_live(topk_ids, lora, num_loras, num_experts):
     return (lo >= 0) & (lo < num_loras) & (e >= 0) & (e < num_experts)
 
 
-def bgmv_shrink_reference(x, lora_a, topk_ids, lora):
-    """s [T*k, r] fp32: x[t] @ A[lora[t], e]^T per pair (0 where skipped); round it to the
-    input dtype to get the kernel's contract."""
-    t, k = topk_ids.shape
-    num_l, num_e = lora_a.shape[0], lora_a.shape[1]
+def _pair_index(topk_ids, lora, num_l, num_e):
+    k = topk_ids.shape[1]
     live = bgmv_live(topk_ids, lora, num_l, num_e).reshape(-1)
     lo = lora.long().clamp(0, num_l - 1).repeat_interleave(k)
     e = topk_ids.long().reshape(-1).clamp(0, num_e - 1)
-    xt = x.double().repeat_interleave(k, dim=0)                                 # [P, H]
-    s = torch.einsum("ph,prh->pr", xt, lora_a[lo, e].double())
-    return (s * live.unsqueeze(1)).float()
+    return live, lo, e
 
 
-def bgmv_expand_reference(s, lora_b, topk_ids, lora, topk_w=None):
+def bgmv_shrink_reference(x, lora_a, topk_ids, lora, chunk=256):
+    """s [T*k, r] fp32: x[t] @ A[lora[t], e]^T per pair in float64 (0 where skipped); round
+    it to the input dtype to get the kernel's contract. Pairs go in chunks so the gathered
+    weights stay small."""
+    t, k = topk_ids.shape
+    live, lo, e = _pair_index(topk_ids, lora, lora_a.shape[0], lora_a.shape[1])
+    tok = torch.arange(t, device=x.device).repeat_interleave(k)
+    out = torch.zeros(t * k, lora_a.shape[2], dtype=torch.float64, device=x.device)
+    for i in range(0, t * k, chunk):
+        j = slice(i, i + chunk)
+        out[j] = torch.einsum("ph,prh->pr", x[tok[j]].double(), lora_a[lo[j], e[j]].double())
+    return (out * live.unsqueeze(1)).float()
+
+
+def bgmv_expand_reference(s, lora_b, topk_ids, lora, topk_w=None, chunk=256):
     """fp32 expand of a given shrink result s [T*k, r]: per pair s[p] @ B[lora, e]^T
     ([T*k, N]) or, with ``topk_w``, the finalized sum over each token's pairs ([T, N])."""
     t, k = topk_ids.shape
-    num_l, num_e = lora_b.shape[0], lora_b.shape[1]
-    live = bgmv_live(topk_ids, lora, num_l, num_e).reshape(-1)
-    lo = lora.long().clamp(0, num_l - 1).repeat_interleave(k)
-    e = topk_ids.long().reshape(-1).clamp(0, num_e - 1)
-    y = torch.einsum("pr,pnr->pn", s.double(), lora_b[lo, e].double()) * live.unsqueeze(1)
+    live, lo, e = _pair_index(topk_ids, lora, lora_b.shape[0], lora_b.shape[1])
+    y = torch.zeros(t * k, lora_b.shape[2], dtype=torch.float64, device=s.device)
+    for i in range(0, t * k, chunk):
+        j = slice(i, i + chunk)
+        y[j] = torch.einsum("pr,pnr->pn", s[j].double(), lora_b[lo[j], e[j]].double())
+    y = y * live.unsqueeze(1)
     if topk_w is None:
         return y.float()
     return (y.reshape(t, k, -1) * topk_w.double().unsqueeze(-1)).sum(1).float()

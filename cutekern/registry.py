@@ -57,6 +57,10 @@ class OpSpec:
     designs: dict  # design -> DesignImpl
     variants: tuple  # ((dtypes tuple, flags tuple), ...)
     doc: str = ""
+    design_variants: tuple = ()  # ((design, variants), ...): overrides ``variants`` there
+
+    def variants_for(self, design: str) -> tuple:
+        return dict(self.design_variants).get(design, self.variants)
 
 
 def _lce_variants():
@@ -73,9 +77,11 @@ def _attn_variants():
                  for dt in ("float16", "bfloat16") for d in (64, 128))
 
 
-def _attn_res_variants():
-    # the hidden size tier bounds the on-chip row buffers; any H % 8 == 0 up to it runs
-    return tuple(((("dtype", "bfloat16"),), (("max_hidden", h),)) for h in (8192, 16384))
+def _attn_res_variants(splits=(1,)):
+    # the hidden size tier bounds the on-chip row buffers; any H % 8 == 0 up to it runs.
+    # row_split > 1: a row's H is split over the CTAs of a cluster (small M: latency)
+    return tuple(((("dtype", "bfloat16"),), (("max_hidden", h), ("row_split", r)))
+                 for h in (8192, 16384) for r in splits)
 
 
 def _bgmv_shrink_variants():
@@ -119,6 +125,7 @@ OPS: dict = {
             "sm100": DesignImpl("kernels.sm100.attn_res", "AttnResSm100", "AttnResSm100Config"),
         },
         variants=_attn_res_variants(),
+        design_variants=(("sm90", _attn_res_variants((1, 2, 4, 8))),),
         doc="Kimi attention residuals: softmax over depth of block snapshots, fused serving form",
     ),
     "bgmv_shrink": OpSpec(
@@ -173,7 +180,7 @@ def all_keys(arches, with_config=True, overrides=None, ops=None) -> list:
                     if unknown:
                         raise ValueError(f"{design} config has no field(s) {sorted(unknown)}")
                     cfg = tuple((k, overrides[design].get(k, v)) for k, v in cfg)
-                for dtypes, flags in op.variants:
+                for dtypes, flags in op.variants_for(design):
                     keys.append(KernelKey(op.name, design, arch, dtypes, flags, cfg))
     return keys
 

@@ -72,7 +72,48 @@ def attention_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-TABLES = {"lce": (lce_table, plot_lce), "ikbo_attention": (attention_table, None)}
+def attn_res_table(doc: dict) -> str:
+    designs = doc.get("designs", [])
+    ceil = doc["ceilings"]["copy_gbps"]
+    cols = [f"cutekern_{d}" for d in designs] + ["torch_eager", "torch_compile"]
+    lines = [f"**AttnRes** on {doc['device']} (commit `{doc['git_commit'][:10]}`, {doc['date'][:10]}; "
+             f"H=7168, 8 slots, delta + output norm; CUDA-graph replays, cold L2, median). "
+             f"us (effective GB/s = (K+4)*M*H*2/t); measured copy ceiling {ceil:.0f} GB/s, one-kernel "
+             f"launch latency {doc['launch_latency_us']:.1f} us; '-' = not timed.", "",
+             "| K | M | " + " | ".join(cols) + " | best cutekern of ceiling | x launch latency | vs torch.compile |",
+             "|---|---|" + "---|" * len(cols) + "---|---|---|"]
+    for c in doc["cases"]:
+        t, g = c["timings_us"], c["gbps"]
+        best = min((f"cutekern_{d}" for d in designs), key=lambda k: t[k])
+        vs = f"{t['torch_compile'] / t[best]:.1f}x" if "torch_compile" in t else "-"
+        lines.append(f"| {c['shape']['K']} | {c['shape']['M']} | " + " | ".join(
+            f"{t[k]:.1f} ({g[k]:.0f})" if k in t else "-" for k in cols)
+            + f" | {g[best] / ceil:.0%} | {t[best] / doc['launch_latency_us']:.1f} | {vs} |")
+    return "\n".join(lines)
+
+
+def bgmv_table(doc: dict) -> str:
+    designs = doc.get("designs", [])
+    ceil = doc["ceilings"]["copy_gbps"]
+    cols = sorted({k for c in doc["cases"] for k in c["timings_us"]},
+                  key=lambda k: (not k.startswith("cutekern"), k))
+    lines = [f"**BGMV MoE-LoRA** on {doc['device']} (commit `{doc['git_commit'][:10]}`, {doc['date'][:10]}; "
+             f"{doc['adapters']} adapters, bf16, shrink + finalized expand as one CUDA-graph replay, "
+             f"cold L2, median). us (GB/s of the spec's roofline bytes); measured copy ceiling "
+             f"{ceil:.0f} GB/s; `_sorted` = pairs passed in expert-sorted order.", "",
+             "| H | r | E | top-k | T | " + " | ".join(cols) + " | best cutekern of ceiling | vs torch |",
+             "|---|---|---|---|---|" + "---|" * len(cols) + "---|---|"]
+    for c in doc["cases"]:
+        t, g, sh = c["timings_us"], c["gbps"], c["shape"]
+        best = min((k for k in t if k.startswith("cutekern")), key=t.get)
+        lines.append(f"| {sh['H']} | {sh['r']} | {sh['E']} | {sh['top_k']} | {sh['T']} | " + " | ".join(
+            f"{t[k]:.1f} ({g[k]:.0f})" if k in t else "-" for k in cols)
+            + f" | {g[best] / ceil:.0%} | {t['torch_gather_einsum'] / t[best]:.1f}x |")
+    return "\n".join(lines)
+
+
+TABLES = {"lce": (lce_table, plot_lce), "ikbo_attention": (attention_table, None),
+          "attn_res": (attn_res_table, None), "bgmv_moe": (bgmv_table, None)}
 
 
 def main() -> int:

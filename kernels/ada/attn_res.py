@@ -96,7 +96,9 @@ def _smem_bytes(max_hidden: int, config: AttnResAdaConfig) -> int:
 
 
 class AttnResAda:
-    def __init__(self, dtype, max_hidden: int, config: AttnResAdaConfig = AttnResAdaConfig()):
+    def __init__(self, dtype, max_hidden: int, config: AttnResAdaConfig = AttnResAdaConfig(), row_split: int = 1):
+        if row_split != 1:  # the split-row (cluster) schedule exists in the sm90 design only
+            raise ValueError(f"{type(self).__name__}: row_split must be 1, got {row_split}")
         if not AttnResAda.can_implement(dtype, max_hidden, config):
             raise ValueError(f"AttnResAda cannot implement {dtype}, {max_hidden}, {config}")
         self.dtype = dtype

@@ -18,6 +18,12 @@ s[p, 0:R]. With the default depth all k <= 6 items of a token are in flight at o
 Reduction order (fixed by R only): the dot product runs q = 0, 1, ..., R-1 in fp32
 (fused multiply-add), then the finalize sum runs j = 0, 1, ..., k-1 over live pairs
 (acc = acc + w * dot). Deterministic and batch-invariant; no atomics.
+Bin mode (P = T*k >= config.bin_min_pairs, run-time choice; config.bin_mode=False: never).
+CTA = (adapter, expert) bin: scan of the pair table into a smem list (increasing p), s rows
+of up to bin_pairs pairs staged as fp32, b[l, e] streamed once per group through a ring of
+column blocks; out[p, n] = same fp32 dot chain as the pair schedule. finalize=False: out = y
+(extra CTAs write dead pairs' zero rows); finalize=True: out = ws, then a second launch
+computes y[t] = acc + w * ws[p] over live j in order (the pair schedule's expression).
 """
 from __future__ import annotations
 
@@ -44,6 +50,16 @@ class BgmvExpandAdaConfig:
     stages: int = 8           # cp.async ring depth over (token, j) items
     max_tokens: int = 16      # max tokens per CTA (large T)
     t_per_group_div: int = 128  # tokens per CTA = clamp(T // this, 1, max_tokens)
+    # ---- bin mode (large P = T * k): one CTA per (adapter, expert) bin over all columns
+    bin_mode: bool = True       # False: always the pair schedule (v1)
+    bin_min_pairs: int = 256    # P >= this: bin mode
+    bin_threads: int = 128      # threads per bin CTA; a stage holds bin_threads * 8 vectors
+    bin_stages: int = 4         # cp.async ring depth over column blocks
+    bin_pairs: int = 32         # pairs per group (s rows staged as fp32 in smem)
+    bin_scan_tokens: int = 4    # tokens per thread per scan round
+    bin_list_cap: int = 256     # pair-list capacity (multiple of bin_pairs)
+    fin_threads: int = 128      # finalize pass: 4 columns per thread
+    fin_tokens: int = 4         # finalize pass: tokens per CTA
 
     @property
     def num_threads(self) -> int:
@@ -52,6 +68,11 @@ class BgmvExpandAdaConfig:
 
 def _smem_bytes(c: BgmvExpandAdaConfig, elem_bytes: int = 2) -> int:
     return c.stages * (c.cols * _PITCH + _R_MAX) * elem_bytes
+
+
+def _bin_smem_bytes(c: BgmvExpandAdaConfig, elem_bytes: int = 2) -> int:
+    return (c.bin_stages * c.bin_threads * 64 * elem_bytes + c.bin_pairs * _R_MAX * 4
+            + 4 * (c.bin_list_cap + c.bin_threads // 32) + 256)
 
 
 class BgmvExpandAda:
@@ -64,6 +85,14 @@ class BgmvExpandAda:
         self.NC = config.cols
         self.NT = config.num_threads
         self.S = config.stages
+        self.BNT = config.bin_threads
+        self.BNW = config.bin_threads // 32
+        self.BS = config.bin_stages
+        self.BGP = config.bin_pairs
+        self.BU = config.bin_scan_tokens
+        self.BCAP = config.bin_list_cap
+        self.FNT = config.fin_threads
+        self.FTB = config.fin_tokens
 
     @staticmethod
     def can_implement(dtype, config: BgmvExpandAdaConfig) -> bool:
@@ -74,12 +103,23 @@ class BgmvExpandAda:
             return False
         if c.stages < 2 or c.max_tokens < 1 or c.t_per_group_div < 1:
             return False
+        if c.bin_mode:
+            if c.bin_threads < 32 or c.bin_threads % 32 or c.bin_stages < 2:
+                return False
+            if c.bin_pairs < 1 or c.bin_scan_tokens < 1:
+                return False
+            if c.bin_list_cap < c.bin_pairs or c.bin_list_cap % c.bin_pairs:
+                return False
+            if c.fin_threads < 32 or c.fin_threads % 32 or c.fin_tokens < 1:
+                return False
+            if c.bin_min_pairs < 1 or _bin_smem_bytes(c) > SMEM_LIMIT_BYTES:
+                return False
         return _smem_bytes(c) <= SMEM_LIMIT_BYTES
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
-                 lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor,
+                 lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor, ws: cute.Tensor,
                  stream: cuda.CUstream):
         T = lora.shape[0]
         N = b.shape[2]
@@ -87,8 +127,28 @@ class BgmvExpandAda:
                          cutlass.Int32(self.config.max_tokens))
         ntg = cutlass.max((T + gt - 1) // gt, cutlass.Int32(1))
         nnc = cutlass.max((N + self.NC - 1) // self.NC, cutlass.Int32(1))
-        self.kernel(s, b, topk_ids, lora, topk_w, y, gt, ntg).launch(
-            grid=[ntg * nnc, 1, 1], block=[self.NT, 1, 1], stream=stream)
+        if cutlass.const_expr(self.config.bin_mode):
+            P = T * topk_ids.shape[1]
+            if P >= self.config.bin_min_pairs:
+                nbins = b.shape[0] * b.shape[1]
+                if cutlass.const_expr(self.finalize):
+                    self.bin_kernel(s, b, topk_ids, lora, ws, nbins).launch(
+                        grid=[nbins, 1, 1], block=[self.BNT, 1, 1], stream=stream)
+                    nfc = (N + 4 * self.FNT - 1) // (4 * self.FNT)
+                    nft = (T + self.FTB - 1) // self.FTB
+                    self.fin_kernel(topk_ids, lora, topk_w, y, ws, b.shape[0], b.shape[1],
+                                    nfc).launch(
+                        grid=[nft * nfc, 1, 1], block=[self.FNT, 1, 1], stream=stream)
+                else:
+                    nz = (P + 7) // 8
+                    self.bin_kernel(s, b, topk_ids, lora, y, nbins).launch(
+                        grid=[nbins + nz, 1, 1], block=[self.BNT, 1, 1], stream=stream)
+            else:
+                self.kernel(s, b, topk_ids, lora, topk_w, y, gt, ntg).launch(
+                    grid=[ntg * nnc, 1, 1], block=[self.NT, 1, 1], stream=stream)
+        else:
+            self.kernel(s, b, topk_ids, lora, topk_w, y, gt, ntg).launch(
+                grid=[ntg * nnc, 1, 1], block=[self.NT, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -212,3 +272,247 @@ class BgmvExpandAda:
                 src = cute.local_tile(s[t * K + j, None], (8,), (tidx,))
                 dst = cute.local_tile(sS[None, slot], (8,), (tidx,))
                 cute.copy(atom, src, dst)
+
+    # ------------------------------------------------------------------ bin mode
+    @cute.kernel
+    def bin_kernel(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
+                   lora: cute.Tensor, out: cute.Tensor, nbins: cutlass.Int32):
+        """CTA = (adapter, expert) bin: collect its pairs (increasing p), stage up to BGP of
+        their s rows as fp32 in smem, stream b[l, e, :, 0:R] once per group through a ring
+        of column blocks (a block = BNT * 8 16-byte vectors, dense rows, xor-swizzled) and
+        write out[p, n] = s[p] . b[l, e, n] (same fp32 chain as the pair schedule). CTAs past
+        nbins (finalize=False) write the zero rows of dead pairs."""
+        BNT, BNW, BS, BGP, BCAP = self.BNT, self.BNW, self.BS, self.BGP, self.BCAP
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        T = lora.shape[0]
+        K = topk_ids.shape[1]
+        L = b.shape[0]
+        E = b.shape[1]
+        N = b.shape[2]
+        R = b.shape[3]
+        P = T * K
+
+        smem = cutlass.utils.SmemAllocator()
+        sB = smem.allocate_tensor(self.dtype, cute.make_layout((BNT * 64, BS), stride=(1, BNT * 64)),
+                                  byte_alignment=128)
+        sS = smem.allocate_tensor(cutlass.Float32,
+                                  cute.make_layout((BGP, _R_MAX), stride=(_R_MAX, 1)),
+                                  byte_alignment=128)
+        sList = smem.allocate_tensor(cutlass.Int32, cute.make_layout((BCAP,)), byte_alignment=16)
+        sW = smem.allocate_tensor(cutlass.Int32, cute.make_layout((BNW,)), byte_alignment=16)
+
+        if bid < nbins:
+            l = bid // E
+            e = bid - l * E
+            tpos = cutlass.Int32(0)
+            lo = cutlass.Int32(0)
+            cnt = cutlass.Int32(0)
+            while tpos < T:
+                cute.arch.sync_threads()
+                total = _scan_round(topk_ids, lora, sList, sW, l, e, tpos, lo, cnt,
+                                    BCAP - cnt, T, K, tidx, BNT, BNW, self.BU)
+                take = cutlass.min(total - lo, BCAP - cnt)
+                cnt = cnt + take
+                if lo + take == total:
+                    tpos = tpos + BNT * self.BU
+                    lo = cutlass.Int32(0)
+                else:
+                    lo = lo + take
+                if cnt == BCAP or tpos >= T:
+                    g0 = cutlass.Int32(0)
+                    while g0 < cnt:
+                        n = cutlass.min(cnt - g0, cutlass.Int32(BGP))
+                        self.run_group_bin(s, b, out, sB, sS, sList, l, e, g0, n, N, R, tidx)
+                        g0 = g0 + BGP
+                    cnt = cutlass.Int32(0)
+        else:
+            if cutlass.const_expr(not self.finalize):
+                for i in cutlass.range_constexpr(8):
+                    p = (bid - nbins) * 8 + i
+                    if p < P:
+                        t = p // K
+                        jj = p - t * K
+                        lv = lora[t]
+                        ev = topk_ids[t, jj]
+                        if not (lv >= 0 and lv < L and ev >= 0 and ev < E):
+                            col = tidx
+                            while col < N:
+                                out[p, col] = cutlass.Float32(0.0)
+                                col = col + BNT
+
+    @cute.jit
+    def run_group_bin(self, s: cute.Tensor, b: cute.Tensor, out: cute.Tensor, sB: cute.Tensor,
+                      sS: cute.Tensor, sList: cute.Tensor, l: cutlass.Int32, e: cutlass.Int32,
+                      g0: cutlass.Int32, n: cutlass.Int32, N: cutlass.Int32, R: cutlass.Int32,
+                      tidx: cutlass.Int32):
+        BNT, BS = self.BNT, self.BS
+        R8 = R // 8
+        cpt = 8 // R8                        # columns per thread per block (1..8)
+        cpb = BNT * cpt                      # columns per block
+        nvb = cpb * R8                       # 16-byte vectors per block (<= BNT * 8)
+        nblk = (N + cpb - 1) // cpb
+        swz = cutlass.Int32(0)
+        if R8 % 2 == 0:
+            swz = cutlass.Int32(7)
+        # s rows of the group -> fp32 smem (exact conversion)
+        idx = tidx
+        while idx < n * R:
+            g = idx // R
+            q = idx - g * R
+            sS[g, q] = s[sList[g0 + g], q].to(cutlass.Float32)
+            idx = idx + BNT
+
+        for st in cutlass.range_constexpr(BS - 1):
+            if st < nblk:
+                self.load_block(b, sB, l, e, st * cpb, st, nvb, R8, N, swz, tidx)
+            cute.arch.cp_async_commit_group()
+
+        rb = cute.make_rmem_tensor((_R_MAX,), cutlass.Float32)
+        rs = cute.make_rmem_tensor((8,), cutlass.Float32)
+        for blk in cutlass.range(nblk, unroll=1):
+            cute.arch.cp_async_wait_group(BS - 2)
+            cute.arch.sync_threads()
+            nxt = blk + (BS - 1)
+            if nxt < nblk:
+                self.load_block(b, sB, l, e, nxt * cpb, nxt % BS, nvb, R8, N, swz, tidx)
+            cute.arch.cp_async_commit_group()
+            slot = blk % BS
+            for c in cutlass.range(cpt, unroll=1):
+                cl = tidx + BNT * c
+                col = blk * cpb + cl
+                if col < N:
+                    for qc in cutlass.range_constexpr(_R_MAX // 8):
+                        if qc < R8:
+                            v = cl * R8 + qc
+                            vs = v ^ ((v >> 3) & swz)
+                            rbq = cute.local_tile(rb, (8,), (qc,))
+                            rbq.store(cute.local_tile(sB[None, slot], (8,), (vs,)).load()
+                                      .to(cutlass.Float32))
+                    for gp in cutlass.range(n, unroll=1):
+                        dot = cutlass.Float32(0.0)
+                        for qc in cutlass.range_constexpr(_R_MAX // 8):
+                            if qc < R8:
+                                rs.store(cute.local_tile(sS[gp, None], (8,), (qc,)).load())
+                                for v in cutlass.range_constexpr(8):
+                                    dot = dot + rs[v] * rb[qc * 8 + v]
+                        out[sList[g0 + gp], col] = dot
+        # every thread is out of the ring and sS before the next group refills them
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def load_block(self, b: cute.Tensor, sB: cute.Tensor, l: cutlass.Int32, e: cutlass.Int32,
+                   n0: cutlass.Int32, slot: cutlass.Int32, nvb: cutlass.Int32,
+                   R8: cutlass.Int32, N: cutlass.Int32, swz: cutlass.Int32, tidx: cutlass.Int32):
+        """cp.async columns n0 .. of b[l, e] (vector v = col * R8 + chunk) into ring slot."""
+        BNT = self.BNT
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                   self.dtype, num_bits_per_copy=128)
+        for ps in cutlass.range(8, unroll=1):     # rolled: no per-slot hoisted addresses
+            v = ps * BNT + tidx
+            if v < nvb:
+                row = v // R8
+                ch = v - row * R8
+                if n0 + row < N:
+                    vs = v ^ ((v >> 3) & swz)
+                    src = cute.local_tile(b[l, e, n0 + row, None], (8,), (ch,))
+                    dst = cute.local_tile(sB[None, slot], (8,), (vs,))
+                    cute.copy(atom, src, dst)
+
+    @cute.kernel
+    def fin_kernel(self, topk_ids: cute.Tensor, lora: cute.Tensor, topk_w: cute.Tensor,
+                   y: cute.Tensor, ws: cute.Tensor, L: cutlass.Int32, E: cutlass.Int32,
+                   nfc: cutlass.Int32):
+        """y[t, n] = sum over live j = 0..k-1 (in order) of w[t, j] * ws[t*k + j, n], as
+        acc = acc + w * d from acc = 0: the pair schedule's exact expression."""
+        FNT, FTB = self.FNT, self.FTB
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        fc = bid % nfc
+        tb = bid // nfc
+        T = lora.shape[0]
+        K = topk_ids.shape[1]
+        N = y.shape[1]
+        col = (fc * FNT + tidx) * 4
+        rv = cute.make_rmem_tensor((8 * 4,), cutlass.Float32)
+        rw = cute.make_rmem_tensor((8,), cutlass.Float32)
+        lvj = cute.make_rmem_tensor((8,), cutlass.Int32)
+        if col < N:
+            for i in range(FTB):
+                t = tb * FTB + i
+                if t < T:
+                    lv = lora[t]
+                    for j in cutlass.range_constexpr(8):
+                        if j < K:
+                            ev = topk_ids[t, j]
+                            lvj[j] = cutlass.Int32(0)
+                            if lv >= 0 and lv < L and ev >= 0 and ev < E:
+                                lvj[j] = cutlass.Int32(1)
+                                rw[j] = topk_w[t, j]
+                                cute.local_tile(rv, (4,), (j,)).store(
+                                    cute.local_tile(ws[t * K + j, None], (4,), (col // 4,)).load())
+                    for c in cutlass.range_constexpr(4):
+                        acc = cutlass.Float32(0.0)
+                        for j in cutlass.range_constexpr(8):
+                            if j < K:
+                                if lvj[j] != 0:
+                                    acc = acc + rw[j] * rv[j * 4 + c]
+                        y[t, col + c] = acc
+
+
+@cute.jit
+def _scan_round(topk_ids: cute.Tensor, lora: cute.Tensor, sList: cute.Tensor, sW: cute.Tensor,
+                l: cutlass.Int32, e: cutlass.Int32, tpos: cutlass.Int32, lo: cutlass.Int32,
+                base: cutlass.Int32, room: cutlass.Int32, T: cutlass.Int32, K: cutlass.Int32,
+                tidx: cutlass.Int32, NT: cutlass.Constexpr, NW: cutlass.Constexpr,
+                U: cutlass.Constexpr) -> cutlass.Int32:
+    """One scan round over tokens tpos .. tpos + NT*U - 1 (thread i: U consecutive tokens).
+    The bin's pairs get ranks 0, 1, ... in increasing p; those with rank in [lo, lo + room)
+    are written to sList[base + rank - lo]. Returns the round's total (block uniform).
+    Caller: sync_threads before (sW reuse); the trailing sync here publishes sList."""
+    warp = tidx // 32
+    lane = tidx % 32
+    t0 = tpos + tidx * U
+    lv = cute.make_rmem_tensor((U,), cutlass.Int32)
+    for u in cutlass.range_constexpr(U):
+        lv[u] = lora[cutlass.min(t0 + u, T - 1)]
+    msk = cute.make_rmem_tensor((U,), cutlass.Int32)
+    c = cutlass.Int32(0)
+    for u in cutlass.range_constexpr(U):
+        m = cutlass.Int32(0)
+        if t0 + u < T and lv[u] == l:
+            ev = cute.make_rmem_tensor((8,), cutlass.Int32)
+            for j in cutlass.range_constexpr(8):
+                ev[j] = topk_ids[t0 + u, cutlass.min(cutlass.Int32(j), K - 1)]
+            for j in cutlass.range_constexpr(8):
+                if j < K and ev[j] == e:
+                    m = m | cutlass.Int32(1 << j)
+        msk[u] = m
+        c = c + cute.arch.popc(m)
+    v = c
+    for d in cutlass.range_constexpr(5):
+        nb = cute.arch.shuffle_sync_up(v, 1 << d)
+        if lane >= (1 << d):
+            v = v + nb
+    if lane == 31:
+        sW[warp] = v
+    cute.arch.sync_threads()
+    wbase = cutlass.Int32(0)
+    total = cutlass.Int32(0)
+    for w in cutlass.range_constexpr(NW):
+        tw = sW[w]
+        if w < warp:
+            wbase = wbase + tw
+        total = total + tw
+    r = wbase + v - c
+    if c > 0:
+        for u in cutlass.range_constexpr(U):
+            m = msk[u]
+            if m != 0:
+                for j in cutlass.range_constexpr(8):
+                    if (m >> j) & 1:
+                        if r >= lo and r < lo + room:
+                            sList[base + r - lo] = (t0 + u) * K + j
+                        r = r + 1
+    cute.arch.sync_threads()
+    return total

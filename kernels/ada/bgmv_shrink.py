@@ -18,6 +18,12 @@ increasing c, the 8 products of a chunk in increasing h (fp32), then the warp co
 the 32 lane partials with a fixed xor-butterfly (16, 8, 4, 2, 1); all lanes end with
 the same bits. Nothing depends on T, k, the grid, the group/batch cut, `order` or other
 tokens: results are deterministic and batch-invariant. No atomics.
+Bin mode (P = T*k >= config.bin_min_pairs, run-time choice; config.bin_mode=False: never).
+CTA = ((adapter, expert) bin, block of bin_warps*bin_rows_per_warp rows): scan of the pair
+table (lora, then topk_ids of matching tokens; warp prefix sums, list in increasing p, no
+atomics) into a smem list, then groups of bin_batch pairs stream A once per group through
+the same ring; per-row arithmetic identical to the pair schedule (bit-identical results).
+Extra CTAs after the bins write the zero rows of dead pairs. `order` is unused there.
 """
 from __future__ import annotations
 
@@ -45,6 +51,16 @@ class BgmvShrinkAdaConfig:
     batch: int = 8           # max entries sharing one A stream
     max_group: int = 16      # max consecutive order entries per CTA (large Q)
     q_per_group_div: int = 256  # group size = clamp(Q // this, 1, max_group)
+    # ---- bin mode (large P = T * k): one CTA per ((adapter, expert) bin, row block)
+    bin_mode: bool = True       # False: always the pair schedule (v1)
+    bin_min_pairs: int = 256    # P >= this: bin mode
+    bin_warps: int = 8
+    bin_rows_per_warp: int = 4  # rows per CTA = bin_warps * bin_rows_per_warp
+    bin_batch: int = 8          # pairs per group (A converted once per group)
+    bin_chunk_h: int = 256
+    bin_stages: int = 4
+    bin_scan_tokens: int = 8    # tokens per thread per scan round
+    bin_list_cap: int = 512     # pair-list capacity (multiple of bin_batch)
 
     @property
     def num_threads(self) -> int:
@@ -53,6 +69,12 @@ class BgmvShrinkAdaConfig:
 
 def _smem_bytes(c: BgmvShrinkAdaConfig, elem_bytes: int = 2) -> int:
     return c.stages * (c.rows_per_cta + c.batch) * c.chunk_h * elem_bytes
+
+
+def _bin_smem_bytes(c: BgmvShrinkAdaConfig, elem_bytes: int = 2) -> int:
+    rb = c.bin_warps * c.bin_rows_per_warp
+    return (c.bin_stages * (rb + c.bin_batch) * c.bin_chunk_h * elem_bytes
+            + 4 * (c.bin_list_cap + c.bin_warps) + 256)
 
 
 class BgmvShrinkAda:
@@ -68,6 +90,16 @@ class BgmvShrinkAda:
         self.S = config.stages
         self.GE = config.batch
         self.NT = config.num_threads
+        # bin mode geometry
+        self.BNW = config.bin_warps
+        self.BRW = config.bin_rows_per_warp
+        self.BRB = config.bin_warps * config.bin_rows_per_warp
+        self.BNT = 32 * config.bin_warps
+        self.BGE = config.bin_batch
+        self.BHC = config.bin_chunk_h
+        self.BS = config.bin_stages
+        self.BU = config.bin_scan_tokens
+        self.BCAP = config.bin_list_cap
 
     @staticmethod
     def can_implement(dtype, config: BgmvShrinkAdaConfig) -> bool:
@@ -88,6 +120,20 @@ class BgmvShrinkAda:
             return False
         if c.q_per_group_div < 1:
             return False
+        if c.bin_mode:
+            bnt = 32 * c.bin_warps
+            brb = c.bin_warps * c.bin_rows_per_warp
+            bcpr = c.bin_chunk_h // 8
+            if c.bin_warps < 1 or c.bin_rows_per_warp < 1 or c.bin_batch < 1:
+                return False
+            if c.bin_chunk_h <= 0 or c.bin_chunk_h % 256 or c.bin_stages < 2:
+                return False
+            if (brb * bcpr) % bnt or (c.bin_batch * bcpr) % bnt:
+                return False
+            if c.bin_scan_tokens < 1 or c.bin_list_cap < c.bin_batch or c.bin_list_cap % c.bin_batch:
+                return False
+            if c.bin_min_pairs < 1 or _bin_smem_bytes(c) > SMEM_LIMIT_BYTES:
+                return False
         return _smem_bytes(c) <= SMEM_LIMIT_BYTES
 
     # ------------------------------------------------------------------ host side
@@ -101,8 +147,20 @@ class BgmvShrinkAda:
                           cutlass.Int32(self.config.max_group))
         ngroups = cutlass.max((Q + gsz - 1) // gsz, cutlass.Int32(1))
         nrb = R // self.RB
-        self.kernel(x, a, topk_ids, lora, order, s, gsz, nrb).launch(
-            grid=[ngroups * nrb, 1, 1], block=[self.NT, 1, 1], stream=stream)
+        if cutlass.const_expr(self.config.bin_mode):
+            P = x.shape[0] * topk_ids.shape[1]
+            if P >= self.config.bin_min_pairs:
+                nrbb = (R + self.BRB - 1) // self.BRB
+                nbinblk = a.shape[0] * a.shape[1] * nrbb
+                nz = (P + self.BNT - 1) // self.BNT
+                self.bin_kernel(x, a, topk_ids, lora, s, nrbb, nbinblk).launch(
+                    grid=[nbinblk + nz, 1, 1], block=[self.BNT, 1, 1], stream=stream)
+            else:
+                self.kernel(x, a, topk_ids, lora, order, s, gsz, nrb).launch(
+                    grid=[ngroups * nrb, 1, 1], block=[self.NT, 1, 1], stream=stream)
+        else:
+            self.kernel(x, a, topk_ids, lora, order, s, gsz, nrb).launch(
+                grid=[ngroups * nrb, 1, 1], block=[self.NT, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -272,3 +330,231 @@ class BgmvShrinkAda:
                 src = cute.local_tile(x[tok, None], (8,), (gch,))
                 dst = cute.local_tile(sX[row, None, slot], (8,), (ch,))
                 cute.copy(atom, src, dst)
+
+    # ------------------------------------------------------------------ bin mode
+    @cute.kernel
+    def bin_kernel(self, x: cute.Tensor, a: cute.Tensor, topk_ids: cute.Tensor,
+                   lora: cute.Tensor, s: cute.Tensor, nrbb: cutlass.Int32,
+                   nbinblk: cutlass.Int32):
+        """CTA = ((adapter, expert) bin, block of BRB rows): collect the bin's pairs (scan of
+        the pair table, increasing p), then stream A[l, e, rows, :] once per group of BGE
+        pairs. CTAs past nbinblk write the zero rows of dead pairs."""
+        BRB, BHC, BS, BGE, BNT, BNW, BCAP = (self.BRB, self.BHC, self.BS, self.BGE, self.BNT,
+                                            self.BNW, self.BCAP)
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        T = x.shape[0]
+        H = x.shape[1]
+        L = a.shape[0]
+        E = a.shape[1]
+        R = a.shape[2]
+        K = topk_ids.shape[1]
+        P = T * K
+
+        smem = cutlass.utils.SmemAllocator()
+        sA = smem.allocate_tensor(self.dtype,
+                                  cute.make_layout((BRB, BHC, BS), stride=(BHC, 1, BRB * BHC)),
+                                  byte_alignment=128)
+        sX = smem.allocate_tensor(self.dtype,
+                                  cute.make_layout((BGE, BHC, BS), stride=(BHC, 1, BGE * BHC)),
+                                  byte_alignment=128)
+        sList = smem.allocate_tensor(cutlass.Int32, cute.make_layout((BCAP,)), byte_alignment=16)
+        sW = smem.allocate_tensor(cutlass.Int32, cute.make_layout((BNW,)), byte_alignment=16)
+
+        if bid < nbinblk:
+            binid = bid // nrbb
+            rbb = bid - binid * nrbb
+            l = binid // E
+            e = binid - l * E
+            r0 = rbb * BRB
+            tpos = cutlass.Int32(0)
+            lo = cutlass.Int32(0)
+            cnt = cutlass.Int32(0)
+            while tpos < T:
+                cute.arch.sync_threads()
+                total = _scan_round(topk_ids, lora, sList, sW, l, e, tpos, lo, cnt,
+                                    BCAP - cnt, T, K, tidx, BNT, BNW, self.BU)
+                take = cutlass.min(total - lo, BCAP - cnt)
+                cnt = cnt + take
+                if lo + take == total:
+                    tpos = tpos + BNT * self.BU
+                    lo = cutlass.Int32(0)
+                else:
+                    lo = lo + take
+                if cnt == BCAP or tpos >= T:
+                    g0 = cutlass.Int32(0)
+                    while g0 < cnt:
+                        n = cutlass.min(cnt - g0, cutlass.Int32(BGE))
+                        self.run_group_bin(x, a, s, sA, sX, sList, l, e, g0, n, r0, R, K, H,
+                                           tidx)
+                        g0 = g0 + BGE
+                    cnt = cutlass.Int32(0)
+        else:
+            # dead pairs: zero rows (live pairs are written by their bin's CTAs)
+            p = (bid - nbinblk) * BNT + tidx
+            if p < P:
+                t = p // K
+                jj = p - t * K
+                lv = lora[t]
+                ev = topk_ids[t, jj]
+                if not (lv >= 0 and lv < L and ev >= 0 and ev < E):
+                    for r in range(R):
+                        s[p, r] = self.dtype(0.0)
+
+    @cute.jit
+    def run_group_bin(self, x: cute.Tensor, a: cute.Tensor, s: cute.Tensor, sA: cute.Tensor,
+                      sX: cute.Tensor, sList: cute.Tensor, l: cutlass.Int32, e: cutlass.Int32,
+                      g0: cutlass.Int32, n: cutlass.Int32, r0: cutlass.Int32, R: cutlass.Int32,
+                      K: cutlass.Int32, H: cutlass.Int32, tidx: cutlass.Int32):
+        """Pairs sList[g0 .. g0+n) (n <= BGE) against rows r0 .. r0+BRB of A[l, e]. Per row
+        and pair the fp32 operation sequence is exactly the pair schedule's (run_batch):
+        lane c % 32 owns chunk c, chunks in increasing c, products in increasing h, fused
+        acc + x * a, then the xor butterfly 16, 8, 4, 2, 1."""
+        BRW, HC, S, GE, NT = self.BRW, self.BHC, self.BS, self.BGE, self.BNT
+        nch = H // 8
+        n_st = (H + HC - 1) // HC
+        warp = tidx // 32
+        lane = tidx % 32
+        cpr = HC // 8
+        xtok = cute.make_rmem_tensor((GE * cpr // NT,), cutlass.Int32)
+        for ps in cutlass.range_constexpr(GE * cpr // NT):
+            row = (ps * NT + tidx) // cpr
+            xtok[ps] = cutlass.Int32(-1)
+            if row < n:
+                xtok[ps] = sList[g0 + row] // K
+
+        for st in cutlass.range_constexpr(S - 1):
+            if st < n_st:
+                self.load_stage_bin(x, a, sA, sX, l, e, r0, R, xtok, nch, st, st, tidx)
+            cute.arch.cp_async_commit_group()
+
+        acc = cute.make_rmem_tensor((GE * BRW,), cutlass.Float32)
+        acc.fill(0.0)
+        ra = cute.make_rmem_tensor((BRW * 8,), cutlass.Float32)
+        rx = cute.make_rmem_tensor((8,), cutlass.Float32)
+
+        for hs in range(n_st):
+            cute.arch.cp_async_wait_group(S - 2)
+            cute.arch.sync_threads()
+            nxt = hs + (S - 1)
+            if nxt < n_st:
+                self.load_stage_bin(x, a, sA, sX, l, e, r0, R, xtok, nch, nxt, nxt % S, tidx)
+            cute.arch.cp_async_commit_group()
+
+            slot = hs % S
+            for ii in cutlass.range_constexpr(HC // 256):
+                cl = lane + 32 * ii
+                if hs * (HC // 8) + cl < nch:
+                    for rr in cutlass.range_constexpr(BRW):
+                        va = cute.local_tile(sA[warp * BRW + rr, None, slot], (8,), (cl,))
+                        ra_r = cute.local_tile(ra, (8,), (rr,))
+                        ra_r.store(va.load().to(cutlass.Float32))
+                    for m in cutlass.range_constexpr(GE):
+                        if m < n:
+                            vx = cute.local_tile(sX[m, None, slot], (8,), (cl,))
+                            rx.store(vx.load().to(cutlass.Float32))
+                            for rr in cutlass.range_constexpr(BRW):
+                                acc_v = acc[m * BRW + rr]
+                                for v in cutlass.range_constexpr(8):
+                                    acc_v = acc_v + rx[v] * ra[rr * 8 + v]
+                                acc[m * BRW + rr] = acc_v
+
+        cute.arch.sync_threads()
+
+        for m in cutlass.range_constexpr(GE):
+            if m < n:
+                pm = sList[g0 + m]
+                for rr in cutlass.range_constexpr(BRW):
+                    v = acc[m * BRW + rr]
+                    for off in cutlass.range_constexpr(5):
+                        v = v + cute.arch.shuffle_sync_bfly(v, offset=16 >> off)
+                    row = r0 + warp * BRW + rr
+                    if lane == 0 and row < R:
+                        s[pm, row] = v.to(self.dtype)
+
+    @cute.jit
+    def load_stage_bin(self, x: cute.Tensor, a: cute.Tensor, sA: cute.Tensor, sX: cute.Tensor,
+                       l: cutlass.Int32, e: cutlass.Int32, r0: cutlass.Int32, R: cutlass.Int32,
+                       xtok: cute.Tensor, nch: cutlass.Int32, st: cutlass.Int32,
+                       slot: cutlass.Int32, tidx: cutlass.Int32):
+        BRB, HC, GE, NT = self.BRB, self.BHC, self.BGE, self.BNT
+        cpr = HC // 8
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                   self.dtype, num_bits_per_copy=128)
+        for ps in cutlass.range_constexpr(BRB * cpr // NT):
+            v = ps * NT + tidx
+            row = v // cpr
+            ch = v % cpr
+            gch = st * cpr + ch
+            if gch < nch and r0 + row < R:
+                src = cute.local_tile(a[l, e, r0 + row, None], (8,), (gch,))
+                dst = cute.local_tile(sA[row, None, slot], (8,), (ch,))
+                cute.copy(atom, src, dst)
+        for ps in cutlass.range_constexpr(GE * cpr // NT):
+            v = ps * NT + tidx
+            row = v // cpr
+            ch = v % cpr
+            gch = st * cpr + ch
+            tok = xtok[ps]
+            if tok >= 0 and gch < nch:
+                src = cute.local_tile(x[tok, None], (8,), (gch,))
+                dst = cute.local_tile(sX[row, None, slot], (8,), (ch,))
+                cute.copy(atom, src, dst)
+
+
+@cute.jit
+def _scan_round(topk_ids: cute.Tensor, lora: cute.Tensor, sList: cute.Tensor, sW: cute.Tensor,
+                l: cutlass.Int32, e: cutlass.Int32, tpos: cutlass.Int32, lo: cutlass.Int32,
+                base: cutlass.Int32, room: cutlass.Int32, T: cutlass.Int32, K: cutlass.Int32,
+                tidx: cutlass.Int32, NT: cutlass.Constexpr, NW: cutlass.Constexpr,
+                U: cutlass.Constexpr) -> cutlass.Int32:
+    """One scan round over tokens tpos .. tpos + NT*U - 1 (thread i: U consecutive tokens).
+    The bin's pairs get ranks 0, 1, ... in increasing p; those with rank in [lo, lo + room)
+    are written to sList[base + rank - lo]. Returns the round's total (block uniform).
+    Caller: sync_threads before (sW reuse); the trailing sync here publishes sList."""
+    warp = tidx // 32
+    lane = tidx % 32
+    t0 = tpos + tidx * U
+    lv = cute.make_rmem_tensor((U,), cutlass.Int32)
+    for u in cutlass.range_constexpr(U):
+        lv[u] = lora[cutlass.min(t0 + u, T - 1)]
+    msk = cute.make_rmem_tensor((U,), cutlass.Int32)
+    c = cutlass.Int32(0)
+    for u in cutlass.range_constexpr(U):
+        m = cutlass.Int32(0)
+        if t0 + u < T and lv[u] == l:
+            ev = cute.make_rmem_tensor((8,), cutlass.Int32)
+            for j in cutlass.range_constexpr(8):
+                ev[j] = topk_ids[t0 + u, cutlass.min(cutlass.Int32(j), K - 1)]
+            for j in cutlass.range_constexpr(8):
+                if j < K and ev[j] == e:
+                    m = m | cutlass.Int32(1 << j)
+        msk[u] = m
+        c = c + cute.arch.popc(m)
+    v = c
+    for d in cutlass.range_constexpr(5):
+        nb = cute.arch.shuffle_sync_up(v, 1 << d)
+        if lane >= (1 << d):
+            v = v + nb
+    if lane == 31:
+        sW[warp] = v
+    cute.arch.sync_threads()
+    wbase = cutlass.Int32(0)
+    total = cutlass.Int32(0)
+    for w in cutlass.range_constexpr(NW):
+        tw = sW[w]
+        if w < warp:
+            wbase = wbase + tw
+        total = total + tw
+    r = wbase + v - c
+    if c > 0:
+        for u in cutlass.range_constexpr(U):
+            m = msk[u]
+            if m != 0:
+                for j in cutlass.range_constexpr(8):
+                    if (m >> j) & 1:
+                        if r >= lo and r < lo + room:
+                            sList[base + r - lo] = (t0 + u) * K + j
+                        r = r + 1
+    cute.arch.sync_threads()
+    return total

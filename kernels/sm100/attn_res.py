@@ -96,7 +96,9 @@ def _stages_that_fit(max_hidden: int, cfg: AttnResSm100Config) -> int:
 
 
 class AttnResSm100:
-    def __init__(self, dtype, max_hidden: int, config: AttnResSm100Config = AttnResSm100Config()):
+    def __init__(self, dtype, max_hidden: int, config: AttnResSm100Config = AttnResSm100Config(), row_split: int = 1):
+        if row_split != 1:  # the split-row (cluster) schedule exists in the sm90 design only
+            raise ValueError(f"{type(self).__name__}: row_split must be 1, got {row_split}")
         if not AttnResSm100.can_implement(dtype, max_hidden, config):
             raise ValueError(f"AttnResSm100 cannot implement {dtype} max_hidden={max_hidden} "
                              f"with {config}")

@@ -568,17 +568,21 @@ class IkboAttnSm100:
                 if n_tiles > 0:
                     # last O += P V has completed
                     p_pipe.producer_acquire(p_state)
+                grow = r0 + tid
                 if tid < nrows:
-                    grow = r0 + tid
                     lse[(grow, h)] = lse_v
-                    tLrOut = cute.make_rmem_tensor(tLcO.shape, self.dtype)
-                    for c in cutlass.range_constexpr(n_o_chunks):
-                        if n_tiles > 0:
-                            tO_c = cute.make_tensor(tOtO_c.iterator + c * oc, tOtO_c.layout)
-                            cute.copy(tiled_ld_o, thr_ld_o.partition_S(tO_c), tLrO)
-                        else:
-                            tLrO.fill(0.0)  # kv_len == 0: TMEM O never written
-                        tLrOut.store((tLrO.load() * inv).to(self.dtype))
+                # tcgen05.ld is .sync.aligned: all 32 lanes of a warp must execute it, so the
+                # TMEM loads stay outside the (warp-divergent) tid < nrows guard; only the
+                # global stores are predicated
+                tLrOut = cute.make_rmem_tensor(tLcO.shape, self.dtype)
+                for c in cutlass.range_constexpr(n_o_chunks):
+                    if n_tiles > 0:
+                        tO_c = cute.make_tensor(tOtO_c.iterator + c * oc, tOtO_c.layout)
+                        cute.copy(tiled_ld_o, thr_ld_o.partition_S(tO_c), tLrO)
+                    else:
+                        tLrO.fill(0.0)  # kv_len == 0: TMEM O never written
+                    tLrOut.store((tLrO.load() * inv).to(self.dtype))
+                    if tid < nrows:
                         for e in cutlass.range_constexpr(cute.size(tLrO)):
                             out[(grow, h, c * oc + tLcO[e][1])] = tLrOut[e]
 

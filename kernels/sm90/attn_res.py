@@ -7,33 +7,33 @@ Per row m (rows are independent):
     out = bf16(rmsnorm(mix) * out_norm_w) or bf16(mix).
 
 Design (memory bound; every source row crosses HBM once):
-  - persistent grid, one CTA per SM (grid = min(M, num_sms)); CTA b handles rows
-    b, b + grid, ...
+  - persistent grid; CTA (row_split = 1) or cluster of row_split CTAs (row_split > 1) b
+    handles rows b, b + grid, ...
   - warp NW (the last one): producer. One lane issues one cp.async.bulk (UBLKCP) per source
-    row (H * 2 bytes, no tensor map: any dynamic stride works) into a ring of row slots in
-    shared memory, guarded by full/empty mbarriers. The slot size is the runtime row size,
-    so the ring holds min(max_stages, ring_bytes // (2 H)) rows (14 rows of H = 7168).
+    row segment (no tensor map: any dynamic stride works) into a ring of slots in shared
+    memory, guarded by full/empty mbarriers. The slot size is the runtime segment size
+    (H for row_split = 1), so the ring holds min(max_stages, ring_bytes // (2 seg)) slots.
     Per row it loads prefix, delta (when has_delta), then blocks[m, i] for i < K, i != w.
   - warps 0..NW-1: consumers. Thread t owns the 16-byte chunks j = k * NT + t (k < CPT) of
-    the row (NT = 32 NW consumer threads, CPT chunks of 8 elements each); it keeps
-    norm_w * qk_w (fp32) and the fp32 mix accumulator of its chunks in registers.
-    The source sequence is p first (computed from the prefix/delta slots, stored with
-    16-byte stores), then the blocks. c_w == p, so when 0 <= w < K the slot w is not loaded:
-    p enters the softmax with multiplicity 2. Per source: partial (sum c^2, dot(c, nw qw)),
-    warp butterfly, slot released (lane 0 of each warp arrives on the empty barrier once
-    its warp's values are reduced, i.e. after every lane's shared loads completed), one
-    named barrier for the cross-warp sum (double-buffered by parity, so one barrier per
-    reduction), online softmax update (running max, exp2 with log2(e) folded into the score).
-    Then mix / l, the optional output RMSNorm (one more reduction; out_norm_w is read from
-    global/L2 per row, only when has_out_norm) and 16-byte stores.
-  - chunks past H (tail) are never loaded or stored; they stay 0 in registers, so they add
-    nothing to any reduction.
-  - p's multiplicity m (1 or 2) is folded into its score (+log2 m) so p enters once.
-  - 16384 tier (8 chunks per thread): norm_w * qk_w lives in shared memory (fp32) and each
-    source is read from its slot twice (score pass, then mix pass; the slot is released
-    after the second read, __syncwarp + lane 0 arrive), so the kernel needs no spills.
-  - small M: grid = M CTAs, every source row of a row is in flight at once (the ring holds
-    16 rows of H = 7168), so the latency is one row's bulk loads plus K + 2 reductions.
+    its segment (NT = 32 NW consumer threads); norm_w * qk_w (fp32) of its chunks lives in
+    registers (or shared memory in the 16384 tier). p is computed from the prefix/delta slots
+    into registers and stored (prefix, blocks[w]) with 16-byte stores. c_w == p, so when
+    0 <= w < K the slot w is not loaded: p's score is raised by log2(2).
+  - batched schedule (every row_split > 1; row_split = 1 when all loads of a row fit in the
+    ring and config.batched): the partials (sum c^2, dot(c, nw qw)) of every source are
+    computed from their slots, reduced with one batched warp butterfly and ONE named
+    barrier per row (row_split > 1: the CTA totals are then exchanged through distributed
+    shared memory: st.async with mbarrier complete_tx into every peer, double-buffered by
+    row parity), the softmax is computed once, and the mix re-reads the slots (each slot is
+    released right after its mix read). The output norm costs one more reduction (and one
+    more DSMEM exchange). Every CTA of a cluster stores its own segment.
+  - online schedule (row_split = 1 when the row does not fit in the ring, e.g. 16384 tier at
+    large H): one reduction per source, online softmax (running max, rescaled accumulator).
+  - chunks past the segment are never loaded or stored; they stay 0 in registers.
+  - row_split = C > 1: segment length seg = ceil(H / (8 C)) * 8, CTA c owns
+    [c seg, min(H, (c + 1) seg)) (may be empty: the producer then arrives without a copy).
+    Cluster barriers: after mbarrier init (relaxed arrive, wait before the first remote
+    store) and at the very end (no CTA exits while a peer may still write into it).
 """
 from __future__ import annotations
 
@@ -56,44 +56,81 @@ SASS_REQUIRED = ("UBLKCP", "SYNCS")
 SASS_FORBIDDEN = ("LDGSTS", "LDL", "STL")
 
 _SMEM_CAPACITY = 227 * 1024  # sm_90 opt-in maximum per block
+_SMEM_PER_SM = 228 * 1024  # per SM (1 KiB of it reserved per resident CTA)
 _LOG2E = math.log2(math.e)
 _CHUNK = 8  # elements per 16-byte chunk
 _SMEM_SLACK = 512  # struct alignment padding
+_MAXB = 8  # block sources per row at most (NB <= 8)
+_NV = 2 * (1 + _MAXB)  # reduced values per row in the batched schedule: (ss, dd) per source
+_MAX_LOADS = 2 + _MAXB  # bulk loads per row at most (prefix, delta, blocks)
 
 
 @dataclass(frozen=True)
 class AttnResSm90Config:
-    """consumer_warps: compute warps (plus one producer warp). Each consumer thread owns
-        chunks_per_thread = max_hidden / (256 * consumer_warps) 16-byte chunks of a row
-        (4 at 8192, 8 at 16384): one pass of the consumers covers a max_hidden row.
+    """consumer_warps: compute warps (plus one producer warp) for row_split = 1. Each consumer
+        thread owns chunks_per_thread = max_hidden / (256 * consumer_warps) 16-byte chunks of
+        a row (4 at 8192, 8 at 16384): one pass of the consumers covers a max_hidden row.
+    split_consumer_warps: upper bound of the compute warps for row_split > 1 (reduced to what
+        the segment of max_hidden / row_split elements needs: 4 warps at 8192 / 8).
     wq_max_reg_chunks: norm_w * qk_w (fp32) stays in registers when chunks_per_thread is at
         most this; otherwise it lives in shared memory (fp32, conflict-free 16-byte reads)
         so the 16384 tier fits the register file without spills.
-    ring_kb: upper bound of the source-row ring (KiB); clamped to what shared memory has
-        left. The ring holds min(max_stages, ring_bytes // (2 H)) rows at runtime (>= 2).
+    ring_kb: upper bound of the source ring (KiB); clamped to what shared memory has left.
+        The ring holds min(max_stages, ring_bytes // (2 seg)) slots at runtime (>= 2).
     max_stages: mbarrier pairs allocated (upper bound of the runtime ring depth).
-    num_sms: persistent grid size bound (132 on the H200); the grid is min(M, num_sms)."""
+    num_sms: persistent grid size bound (132 on the H200); the grid is min(M, num_sms *
+        ctas_per_sm) CTAs (row_split = 1) or min(M, num_sms * ctas_per_sm / C) clusters.
+    ctas_per_sm: resident CTAs per SM targeted (launch bound + shared memory split).
+    batched: row_split = 1: use the batched schedule (one reduction for all scores per row)
+        whenever every load of a row fits in the ring; False = always the v1 online
+        schedule (one reduction per source).
+    batched_min_free: row_split = 1: the batched schedule is used only when the ring has at
+        least this many slots beyond one row's loads (prefetch of the next row while a row
+        is mixed); otherwise the online schedule streams through the ring."""
 
     consumer_warps: int = 8
+    split_consumer_warps: int = 8
     wq_max_reg_chunks: int = 4
     ring_kb: int = 224
     max_stages: int = 32
     num_sms: int = 132
+    ctas_per_sm: int = 1
+    batched: bool = True
+    batched_min_free: int = 2
 
 
-def _layout_numbers(max_hidden: int, cfg: AttnResSm90Config):
-    """(chunks per thread, wq in smem, wq smem bytes, ring bytes) or None."""
-    nw = cfg.consumer_warps
-    if nw < 1 or (nw + 1) * 32 > 1024 or max_hidden % (_CHUNK * 32 * nw) != 0:
+def _layout_numbers(max_hidden: int, cfg: AttnResSm90Config, row_split: int):
+    """(consumer warps, chunks per thread, wq in smem, wq smem bytes, ring bytes, max segment
+    elements) or None."""
+    C = row_split
+    if C not in (1, 2, 4, 8) or cfg.ctas_per_sm < 1 or cfg.max_stages < 4:
         return None
-    cpt = max_hidden // (_CHUNK * 32 * nw)
+    if C == 1:
+        nw = cfg.consumer_warps
+        if nw < 1 or (nw + 1) * 32 > 1024 or max_hidden % (_CHUNK * 32 * nw) != 0:
+            return None
+        cpt = max_hidden // (_CHUNK * 32 * nw)
+        seg_max = max_hidden
+    else:
+        seg_ch = -(-(max_hidden // _CHUNK) // C)
+        nw = max(1, min(cfg.split_consumer_warps, -(-seg_ch // 32)))
+        if (nw + 1) * 32 > 1024:
+            return None
+        cpt = -(-seg_ch // (32 * nw))
+        seg_max = seg_ch * _CHUNK
+    if cfg.max_stages > (nw + 1) * 32:  # one thread per mbarrier pair initializes it
+        return None
     wq_smem = cpt > cfg.wq_max_reg_chunks
-    wq_bytes = max_hidden * 4 if wq_smem else 0
-    fixed = 16 * cfg.max_stages + 16 * nw + _SMEM_SLACK + wq_bytes
-    ring = min(cfg.ring_kb * 1024, _SMEM_CAPACITY - fixed) // 128 * 128
-    if ring < 2 * 2 * max_hidden:  # >= 2 slots at max_hidden
+    wq_bytes = nw * 32 * cpt * _CHUNK * 4 if wq_smem else 0
+    fixed = (16 * cfg.max_stages + 16 * nw + 4 * (2 * _NV * nw + 2 * nw + 2 * _NV * C + 2 * C)
+             + 64 + _SMEM_SLACK + wq_bytes)
+    cap = min(_SMEM_CAPACITY, _SMEM_PER_SM // cfg.ctas_per_sm - 1024)
+    ring = min(cfg.ring_kb * 1024, cap - fixed) // 128 * 128
+    if ring < 2 * 2 * seg_max:  # >= 2 slots at max_hidden
         return None
-    return cpt, wq_smem, wq_bytes, ring
+    if C > 1 and (ring < _MAX_LOADS * 2 * seg_max or cfg.max_stages < _MAX_LOADS):
+        return None  # the split schedule keeps every load of a row resident
+    return nw, cpt, wq_smem, wq_bytes, ring, seg_max
 
 
 @dsl_user_op
@@ -107,19 +144,32 @@ def _bulk_g2s(dst: cute.Pointer, src: cute.Pointer, mbar: cute.Pointer, nbytes,
         Int32(nbytes).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
 
 
+@dsl_user_op
+def _st_async_f32(dst: cute.Pointer, val: Float32, mbar: cute.Pointer, peer,
+                  *, loc=None, ip=None):
+    """st.async.shared::cluster.mbarrier::complete_tx::bytes.b32: store val at the address of
+    the local smem pointer dst mapped into CTA `peer` of the cluster; 4 bytes complete_tx on
+    that CTA's mbarrier at the mapped address of mbar."""
+    bits = _llvm.bitcast(Int32.mlir_type, Float32(val).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
+    cute.arch.store_async_dsmem(dst, Int32(bits), mbar, peer, loc=loc, ip=ip)
+
+
 class AttnResSm90:
-    def __init__(self, dtype, max_hidden: int, config: AttnResSm90Config = AttnResSm90Config()):
-        if not AttnResSm90.can_implement(dtype, max_hidden, config):
+    def __init__(self, dtype, max_hidden: int, config: AttnResSm90Config = AttnResSm90Config(),
+                 row_split: int = 1):
+        if not AttnResSm90.can_implement(dtype, max_hidden, config, row_split):
             raise ValueError(
-                f"AttnResSm90 cannot run {dtype}/max_hidden={max_hidden} with {config}")
+                f"AttnResSm90 cannot run {dtype}/max_hidden={max_hidden}/row_split={row_split} "
+                f"with {config}")
         self.dtype = dtype
         self.max_hidden = max_hidden
         self.cfg = config
-        self.cpt, self.wq_smem, wq_bytes, ring_bytes = _layout_numbers(max_hidden, config)
+        self.row_split = row_split
+        (self.num_warps_c, self.cpt, self.wq_smem, wq_bytes, ring_bytes,
+         self.seg_max) = _layout_numbers(max_hidden, config, row_split)
         # large tier: norm_w * qk_w in smem and each source read twice from its slot
         # (score pass, then mix pass) instead of held in registers across the reduction
         self.reread = self.wq_smem
-        self.num_warps_c = config.consumer_warps
         self.num_threads_c = self.num_warps_c * 32
         self.threads_per_cta = self.num_threads_c + 32
         self.ring_elems = ring_bytes // 2
@@ -127,14 +177,15 @@ class AttnResSm90:
         self.max_stages = config.max_stages
 
     @staticmethod
-    def can_implement(dtype, max_hidden, config: AttnResSm90Config) -> bool:
+    def can_implement(dtype, max_hidden, config: AttnResSm90Config, row_split: int = 1) -> bool:
         if dtype is not cutlass.BFloat16:
             return False
         if max_hidden % _CHUNK != 0 or max_hidden < _CHUNK:
             return False
-        if config.max_stages < 2 or config.num_sms < 1 or config.wq_max_reg_chunks < 0:
+        if (config.max_stages < 2 or config.num_sms < 1 or config.wq_max_reg_chunks < 0
+                or config.batched_min_free < 0):
             return False
-        return _layout_numbers(max_hidden, config) is not None
+        return _layout_numbers(max_hidden, config, row_split) is not None
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -143,25 +194,50 @@ class AttnResSm90:
                  out: cute.Tensor, num_blocks: Int32, write_idx: Int32, has_delta: Int32,
                  has_out_norm: Int32, eps: Float32, out_eps: Float32, stream: cuda.CUstream):
         M = prefix.shape[0]
-        grid = cutlass.min(M, self.cfg.num_sms)
+        C = self.row_split
+        NW = self.num_warps_c
 
         @cute.struct
         class SharedStorage:
             full: cute.struct.MemRange[Int64, self.max_stages]
             empty: cute.struct.MemRange[Int64, self.max_stages]
-            red: cute.struct.MemRange[Float32, 4 * self.num_warps_c]
+            xbar: cute.struct.MemRange[Int64, 4]  # DSMEM exchange: scores [2], out norm [2]
+            red: cute.struct.MemRange[Float32, 4 * NW]
+            red_s: cute.struct.Align[cute.struct.MemRange[Float32, 2 * _NV * NW], 16]
+            red_n: cute.struct.Align[cute.struct.MemRange[Float32, 2 * NW], 16]
+            xbuf_s: cute.struct.Align[cute.struct.MemRange[Float32, 2 * _NV * C], 16]
+            xbuf_n: cute.struct.Align[cute.struct.MemRange[Float32, 2 * C], 16]
             wq: cute.struct.Align[cute.struct.MemRange[Float32, self.wq_elems], 16]
             ring: cute.struct.Align[cute.struct.MemRange[self.dtype, self.ring_elems], 128]
 
         self.shared_storage = SharedStorage
 
-        self.kernel(prefix, delta, blocks, norm_w, qk_w, out_norm_w, out, num_blocks,
-                    write_idx, has_delta, has_out_norm, eps, out_eps).launch(
-            grid=[grid, 1, 1],
-            block=[self.threads_per_cta, 1, 1],
-            min_blocks_per_mp=1,
-            stream=stream,
-        )
+        if cutlass.const_expr(C == 1):
+            grid = cutlass.min(M, self.cfg.num_sms * self.cfg.ctas_per_sm)
+            self.kernel(prefix, delta, blocks, norm_w, qk_w, out_norm_w, out, num_blocks,
+                        write_idx, has_delta, has_out_norm, eps, out_eps).launch(
+                grid=[grid, 1, 1],
+                block=[self.threads_per_cta, 1, 1],
+                stream=stream,
+                **self._occupancy_kw(),
+            )
+        else:
+            nclu = cutlass.min(M, max(1, self.cfg.num_sms * self.cfg.ctas_per_sm // C))
+            self.kernel(prefix, delta, blocks, norm_w, qk_w, out_norm_w, out, num_blocks,
+                        write_idx, has_delta, has_out_norm, eps, out_eps).launch(
+                grid=[nclu * C, 1, 1],
+                block=[self.threads_per_cta, 1, 1],
+                cluster=[C, 1, 1],
+                stream=stream,
+                **self._occupancy_kw(),
+            )
+
+    def _occupancy_kw(self) -> dict:
+        # ctas_per_sm > 1: launch bound (register cap) and the full shared-memory carveout
+        # (stated, so that compiling needs no device query)
+        if self.cfg.ctas_per_sm > 1:
+            return {"min_blocks_per_mp": self.cfg.ctas_per_sm, "preferred_smem_carveout": 100}
+        return {"min_blocks_per_mp": 1}
 
     # ---------------------------------------------------------------- device side
     @cute.jit
@@ -173,17 +249,32 @@ class AttnResSm90:
         return slot, phase
 
     @cute.jit
+    def _skip(self, slot: Int32, phase: Int32, n_st: Int32, n: Int32):
+        """(slot, phase) n loads later; 0 <= n <= n_st."""
+        slot = slot + n
+        if slot >= n_st:
+            slot = slot - n_st
+            phase = phase ^ 1
+        return slot, phase
+
+    @cute.jit
     def _produce(self, full, empty, ring, slot: Int32, phase: Int32, n_st: Int32,
-                 src: cute.Pointer, H: Int32, nbytes: Int32):
+                 src: cute.Pointer, stride: Int32, nbytes: Int32):
         cute.arch.mbarrier_wait(empty + slot, phase ^ 1)
         cute.arch.mbarrier_arrive_and_expect_tx(full + slot, nbytes)
-        _bulk_g2s(ring + slot * H, src, full + slot, nbytes)
+        if cutlass.const_expr(self.row_split == 1):
+            _bulk_g2s(ring + slot * stride, src, full + slot, nbytes)
+        else:
+            if nbytes > 0:  # empty segment (short H): arrival only, no copy
+                _bulk_g2s(ring + cute.assume(slot * stride, divby=_CHUNK), src, full + slot,
+                          nbytes)
         return self._advance(slot, phase, n_st)
 
     @cute.jit
     def _load_slot(self, ring, slot: Int32, H: Int32, tidx: Int32, nchunk: Int32,
                    dst: cute.Tensor):
-        """dst[:, k] <- the thread's chunk k of ring slot `slot` (valid chunks only)."""
+        """dst[:, k] <- the thread's chunk k of ring slot `slot` (valid chunks only).
+        H: the slot stride (elements)."""
         base = ring + cute.assume(slot * H, divby=_CHUNK)
         for k in cutlass.range_constexpr(self.cpt):
             j = k * self.num_threads_c + tidx
@@ -220,6 +311,18 @@ class AttnResSm90:
                 acc[None, k].store(acc[None, k].load() * corr + src.load().to(Float32) * e)
 
     @cute.jit
+    def _axpy_slot(self, ring, slot: Int32, H: Int32, tidx: Int32, nchunk: Int32,
+                   acc: cute.Tensor, e: Float32):
+        """acc[:, k] += e * fp32(chunk k of ring slot `slot`) (valid k)."""
+        base = ring + cute.assume(slot * H, divby=_CHUNK)
+        for k in cutlass.range_constexpr(self.cpt):
+            j = k * self.num_threads_c + tidx
+            if j < nchunk:
+                src = cute.make_tensor(base + cute.assume(j * _CHUNK, divby=_CHUNK),
+                                       cute.make_layout(_CHUNK))
+                acc[None, k].store(acc[None, k].load() + src.load().to(Float32) * e)
+
+    @cute.jit
     def _store_row(self, gbase: cute.Pointer, tidx: Int32, nchunk: Int32, val: cute.Tensor):
         for k in cutlass.range_constexpr(self.cpt):
             j = k * self.num_threads_c + tidx
@@ -227,6 +330,18 @@ class AttnResSm90:
                 dst = cute.make_tensor(gbase + cute.assume(j * _CHUNK, divby=_CHUNK),
                                        cute.make_layout(_CHUNK))
                 dst.store(val[None, k].load())
+
+    @cute.jit
+    def _load_gvec(self, g: cute.Tensor, cbase: Int32, tidx: Int32, nchunk: Int32,
+                   dst: cute.Tensor):
+        """dst[:, k] <- g[cbase + 8 j : cbase + 8 j + 8], j = k * NT + tidx (valid j only)."""
+        for k in cutlass.range_constexpr(self.cpt):
+            j = k * self.num_threads_c + tidx
+            if j < nchunk:
+                src = cute.make_tensor(g.iterator + cute.assume(cbase + j * _CHUNK,
+                                                                divby=_CHUNK),
+                                       cute.make_layout(_CHUNK))
+                dst[None, k].store(src.load())
 
     @cute.jit
     def _partials(self, c: cute.Tensor, wq: cute.Tensor, tidx: Int32):
@@ -253,6 +368,21 @@ class AttnResSm90:
             ssk[k % nch] = a
             ddk[k % nch] = b
         return self._tree(ssk), self._tree(ddk)
+
+    @cute.jit
+    def _sumsq(self, acc: cute.Tensor):
+        nch = min(self.cpt, 4)
+        sqk = cute.make_rmem_tensor((nch,), Float32)
+        for k in cutlass.range_constexpr(self.cpt):
+            x = acc[None, k].load()
+            if cutlass.const_expr(k < nch):
+                a = x[0] * x[0]
+            else:
+                a = sqk[k % nch] + x[0] * x[0]
+            for e2 in cutlass.range_constexpr(1, _CHUNK):
+                a = a + x[e2] * x[e2]
+            sqk[k % nch] = a
+        return self._tree(sqk)
 
     def _tree(self, v: cute.Tensor):
         """Pairwise sum of a small register vector (static size)."""
@@ -286,6 +416,190 @@ class AttnResSm90:
             sb = sb + red[(1, w, par)]
         return sa, sb
 
+    @cute.jit
+    def _vsum(self, t: cute.Tensor):
+        """Sum of a contiguous static-size fp32 vector in shared memory (vector loads)."""
+        n = cute.size(t)
+        r = cute.make_rmem_tensor((n,), Float32)
+        r.store(t.load())
+        return self._tree(r)
+
+    @cute.jit
+    def _rows_batched(self, ring, full, empty, xbar, red_s, red_n, xbuf_s, xbuf_n,
+                      wq, cp, cs, acc, prefix: cute.Tensor, delta: cute.Tensor,
+                      blocks: cute.Tensor, out_norm_w: cute.Tensor, out: cute.Tensor,
+                      cid: Int32, ncl: Int32, rank: Int32, seg: Int32, cbase: Int32,
+                      nchunk: Int32, n_st: Int32, w_idx: Int32, nsrc_b: Int32,
+                      lg_mult: Float32, has_delta: Int32, has_out_norm: Int32,
+                      eps: Float32, out_eps: Float32, tidx: Int32, warp: Int32, lane: Int32):
+        """Batched schedule: per row, every load of the row is resident in the ring (the
+        caller guarantees 1 + has_delta + nsrc_b <= n_st); one reduction (and, row_split > 1,
+        one DSMEM exchange) for all scores, one for the output norm."""
+        NW = self.num_warps_c
+        NT = self.num_threads_c
+        CPT = self.cpt
+        C = self.row_split
+        M = prefix.shape[0]
+        H = prefix.shape[1]
+        s_pre = prefix.stride[0]
+        s_out = out.stride[0]
+        s_bm = blocks.stride[0]
+        s_bn = blocks.stride[1]
+        inv_h = Float32(1.0) / Float32(H)
+        cb64 = Int64(cbase)
+
+        part = cute.make_rmem_tensor((_NV,), Float32)
+        tot = cute.make_rmem_tensor((_NV,), Float32)
+        tb = cute.make_rmem_tensor((_MAXB,), Float32)
+        eb = cute.make_rmem_tensor((_MAXB,), Float32)
+
+        # out_norm_w of this thread's chunks, loaded once (rows share it) when it fits
+        # (CPT > 4: reloaded into cs per row, fewer registers)
+        if cutlass.const_expr(CPT <= 4):
+            gn = cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)
+            gn.fill(0.0)
+            if has_out_norm != 0:
+                self._load_gvec(out_norm_w, cbase, tidx, nchunk, gn)
+        else:
+            gn = cs
+
+        slot = Int32(0)
+        phase = Int32(0)
+        it = Int32(0)
+        for row in range(cid, M, ncl):
+            r64 = Int64(row)
+            par = it & 1
+            xph = (it >> 1) & 1
+            # ---- p = prefix (+ delta); both slots are released once p is in registers
+            slot_p = slot
+            cute.arch.mbarrier_wait(full + slot, phase)
+            self._load_slot(ring, slot, seg, tidx, nchunk, cp)
+            slot, phase = self._advance(slot, phase, n_st)
+            slot_d = slot
+            if has_delta != 0:
+                cute.arch.mbarrier_wait(full + slot, phase)
+                self._add_slot(ring, slot, seg, tidx, nchunk, cp)
+                slot, phase = self._advance(slot, phase, n_st)
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.mbarrier_arrive(empty + slot_p)
+                if has_delta != 0:
+                    cute.arch.mbarrier_arrive(empty + slot_d)
+            if has_delta != 0:
+                self._store_row(
+                    prefix.iterator + cute.assume(r64 * Int64(s_pre) + cb64, divby=_CHUNK),
+                    tidx, nchunk, cp)
+            if w_idx >= 0:
+                off_w = r64 * Int64(s_bm) + Int64(w_idx) * Int64(s_bn) + cb64
+                self._store_row(blocks.iterator + cute.assume(off_w, divby=_CHUNK),
+                                tidx, nchunk, cp)
+            slot_b = slot
+            ph_b = phase
+            slot, phase = self._skip(slot, phase, n_st, nsrc_b)
+
+            # ---- partials of every source (block sources read from their slots)
+            a, b = self._partials(cp, wq, tidx)
+            part[0] = a
+            part[1] = b
+            for j in cutlass.range_constexpr(_MAXB):
+                part[2 + 2 * j] = Float32(0.0)
+                part[3 + 2 * j] = Float32(0.0)
+                if j < nsrc_b:
+                    sj, pj = self._skip(slot_b, ph_b, n_st, Int32(j))
+                    cute.arch.mbarrier_wait(full + sj, pj)
+                    self._load_slot(ring, sj, seg, tidx, nchunk, cs)
+                    a2, b2 = self._partials(cs, wq, tidx)
+                    part[2 + 2 * j] = a2
+                    part[3 + 2 * j] = b2
+            # one batched butterfly (independent shuffles), one barrier
+            for i in cutlass.range_constexpr(5):
+                for v in cutlass.range_constexpr(_NV):
+                    part[v] = part[v] + cute.arch.shuffle_sync_bfly(part[v], offset=16 >> i)
+            if lane == 0:
+                for v in cutlass.range_constexpr(_NV):
+                    red_s[(warp, v, par)] = part[v]
+            cute.arch.barrier(barrier_id=1, number_of_threads=NT)
+            if cutlass.const_expr(C == 1):
+                for v in cutlass.range_constexpr(_NV):
+                    tot[v] = self._vsum(red_s[(None, v, par)])
+            else:
+                # CTA totals -> every CTA of the cluster (st.async, complete_tx on its xbar)
+                if tidx < _NV:
+                    val = self._vsum(red_s[(None, tidx, par)])
+                    if tidx == 0:
+                        cute.arch.mbarrier_arrive_and_expect_tx(xbar + par, C * _NV * 4)
+                    dst = xbuf_s.iterator + ((par * _NV + tidx) * C + rank)
+                    for r in cutlass.range_constexpr(C):
+                        _st_async_f32(dst, val, xbar + par, r)
+                cute.arch.mbarrier_wait(xbar + par, xph)
+                for v in cutlass.range_constexpr(_NV):
+                    tot[v] = self._vsum(xbuf_s[(None, v, par)])
+
+            # ---- softmax over the sources (p's score raised by log2 of its multiplicity)
+            tp = cute.math.rsqrt(tot[0] * inv_h + eps, fastmath=True) * tot[1] * _LOG2E + lg_mult
+            mx = tp
+            for j in cutlass.range_constexpr(_MAXB):
+                tb[j] = tp
+                if j < nsrc_b:
+                    tb[j] = (cute.math.rsqrt(tot[2 + 2 * j] * inv_h + eps, fastmath=True)
+                             * tot[3 + 2 * j] * _LOG2E)
+                mx = cute.arch.fmax(mx, tb[j])
+            ep = cute.math.exp2(tp - mx, fastmath=True)
+            lsum = ep
+            for j in cutlass.range_constexpr(_MAXB):
+                eb[j] = Float32(0.0)
+                if j < nsrc_b:
+                    eb[j] = cute.math.exp2(tb[j] - mx, fastmath=True)
+                lsum = lsum + eb[j]
+            inv_l = Float32(1.0) / lsum
+
+            # ---- mix (slots re-read, each released after its read)
+            wp = ep * inv_l
+            for k in cutlass.range_constexpr(CPT):
+                acc[None, k].store(cp[None, k].load().to(Float32) * wp)
+            for j in cutlass.range_constexpr(_MAXB):
+                if j < nsrc_b:
+                    sj, pj = self._skip(slot_b, ph_b, n_st, Int32(j))
+                    self._axpy_slot(ring, sj, seg, tidx, nchunk, acc, eb[j] * inv_l)
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive(empty + sj)
+
+            # ---- output RMSNorm, store
+            if has_out_norm != 0:
+                if cutlass.const_expr(CPT > 4):
+                    self._load_gvec(out_norm_w, cbase, tidx, nchunk, cs)  # gn is cs
+                sq = self._sumsq(acc)
+                for i in cutlass.range_constexpr(5):
+                    sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=16 >> i)
+                if lane == 0:
+                    red_n[(warp, par)] = sq
+                cute.arch.barrier(barrier_id=1, number_of_threads=NT)
+                tot_n = Float32(0.0)
+                if cutlass.const_expr(C == 1):
+                    tot_n = self._vsum(red_n[(None, par)])
+                else:
+                    if tidx == 0:
+                        valn = self._vsum(red_n[(None, par)])
+                        cute.arch.mbarrier_arrive_and_expect_tx(xbar + 2 + par, C * 4)
+                        dstn = xbuf_n.iterator + (par * C + rank)
+                        for r in cutlass.range_constexpr(C):
+                            _st_async_f32(dstn, valn, xbar + 2 + par, r)
+                    cute.arch.mbarrier_wait(xbar + 2 + par, xph)
+                    tot_n = self._vsum(xbuf_n[(None, par)])
+                rr = cute.math.rsqrt(tot_n * inv_h + out_eps, fastmath=True)
+                for k in cutlass.range_constexpr(CPT):
+                    cp[None, k].store(
+                        (acc[None, k].load() * rr * gn[None, k].load().to(Float32))
+                        .to(self.dtype))
+            else:
+                for k in cutlass.range_constexpr(CPT):
+                    cp[None, k].store(acc[None, k].load().to(self.dtype))
+            self._store_row(
+                out.iterator + cute.assume(r64 * Int64(s_out) + cb64, divby=_CHUNK),
+                tidx, nchunk, cp)
+            it = it + 1
+
     @cute.kernel
     def kernel(self, prefix: cute.Tensor, delta: cute.Tensor, blocks: cute.Tensor,
                norm_w: cute.Tensor, qk_w: cute.Tensor, out_norm_w: cute.Tensor,
@@ -294,6 +608,7 @@ class AttnResSm90:
         NW = self.num_warps_c
         NT = self.num_threads_c
         CPT = self.cpt
+        C = self.row_split
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
@@ -309,60 +624,99 @@ class AttnResSm90:
         s_bn = blocks.stride[1]
         K = num_blocks
         w_idx = write_idx
-        nchunk = H // _CHUNK
-        nbytes = H * 2
-        # slots in the ring at this H (>= 2: the ring holds two max_hidden rows)
-        n_st = cutlass.min(self.ring_elems // H, self.max_stages)
+        if cutlass.const_expr(C == 1):
+            rank = Int32(0)
+            cid = bid
+            ncl = nblk
+            seg = H
+            cbase = Int32(0)
+            nchunk = H // _CHUNK
+        else:
+            rank = cute.arch.block_idx_in_cluster()
+            cid = bid // C
+            ncl = nblk // C
+            # segment of CTA `rank`: [rank * seg, min(H, (rank + 1) * seg)), maybe empty
+            seg = (H // _CHUNK + (C - 1)) // C * _CHUNK
+            cbase = rank * seg
+            nchunk = cutlass.max(cutlass.min(H - cbase, seg), Int32(0)) // _CHUNK
+        nbytes = nchunk * (_CHUNK * 2)
+        cb64 = Int64(cbase)
+        # slots in the ring at this H (>= 2: the ring holds two max-size segments)
+        n_st = cutlass.min(self.ring_elems // seg, self.max_stages)
+        # block sources per row (slot w is p: not loaded) and loads per row
+        nsrc_b = K
+        lg_mult = Float32(0.0)  # log2 of p's multiplicity
+        if w_idx >= 0 and w_idx < K:
+            nsrc_b = K - 1
+            lg_mult = Float32(1.0)
+        nloads = nsrc_b + 1
+        if has_delta != 0:
+            nloads = nloads + 1
+        use_batched = Int32(0)  # row_split = 1 only (row_split > 1 is always batched)
+        if cutlass.const_expr(C == 1 and self.cfg.batched):
+            if nloads + self.cfg.batched_min_free <= n_st:
+                use_batched = Int32(1)
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         full = storage.full.data_ptr()
         empty = storage.empty.data_ptr()
+        xbar = storage.xbar.data_ptr()
         ring = storage.ring.data_ptr()
         red = storage.red.get_tensor(cute.make_layout((2, NW, 2), stride=(1, 2, 2 * NW)))
+        red_s = storage.red_s.get_tensor(
+            cute.make_layout((NW, _NV, 2), stride=(1, NW, _NV * NW)))
+        red_n = storage.red_n.get_tensor(cute.make_layout((NW, 2), stride=(1, NW)))
+        xbuf_s = storage.xbuf_s.get_tensor(
+            cute.make_layout((C, _NV, 2), stride=(1, C, _NV * C)))
+        xbuf_n = storage.xbuf_n.get_tensor(cute.make_layout((C, 2), stride=(1, C)))
 
-        if tidx == 0:
-            for s in cutlass.range_constexpr(self.max_stages):
-                cute.arch.mbarrier_init(full + s, 1)
-                cute.arch.mbarrier_init(empty + s, NW)
+        # thread t initializes mbarrier pair t (in parallel: shorter start-up latency)
+        if tidx < self.max_stages:
+            cute.arch.mbarrier_init(full + tidx, 1)
+            cute.arch.mbarrier_init(empty + tidx, NW)
+            if tidx < 4:
+                cute.arch.mbarrier_init(xbar + tidx, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
+        if cutlass.const_expr(C > 1):
+            # peers store into this CTA's xbuf / xbar only after this cluster barrier
+            cute.arch.cluster_arrive_relaxed()
 
         # ------------------------------------------------------------ producer warp
         if warp == NW:
             if lane == 0:
                 slot = Int32(0)
                 phase = Int32(0)
-                for row in range(bid, M, nblk):
+                for row in range(cid, M, ncl):
                     r64 = Int64(row)
                     slot, phase = self._produce(
                         full, empty, ring, slot, phase, n_st,
-                        prefix.iterator + cute.assume(r64 * Int64(s_pre), divby=_CHUNK),
-                        H, nbytes)
+                        prefix.iterator + cute.assume(r64 * Int64(s_pre) + cb64, divby=_CHUNK),
+                        seg, nbytes)
                     if has_delta != 0:
                         slot, phase = self._produce(
                             full, empty, ring, slot, phase, n_st,
-                            delta.iterator + cute.assume(r64 * Int64(s_del), divby=_CHUNK),
-                            H, nbytes)
+                            delta.iterator + cute.assume(r64 * Int64(s_del) + cb64,
+                                                         divby=_CHUNK),
+                            seg, nbytes)
                     for i in range(K):
                         if i != w_idx:
-                            off = r64 * Int64(s_bm) + Int64(i) * Int64(s_bn)
+                            off = r64 * Int64(s_bm) + Int64(i) * Int64(s_bn) + cb64
                             slot, phase = self._produce(
                                 full, empty, ring, slot, phase, n_st,
-                                blocks.iterator + cute.assume(off, divby=_CHUNK), H, nbytes)
+                                blocks.iterator + cute.assume(off, divby=_CHUNK), seg, nbytes)
+            if cutlass.const_expr(C > 1):
+                cute.arch.cluster_wait()
 
         # --------------------------------------------------------- consumer warps
         if warp < NW:
             inv_h = Float32(1.0) / Float32(H)
-            # p counts twice when blocks[w] (w < K) is one of the sources
-            lg_mult = Float32(0.0)  # log2 of p's multiplicity
-            if w_idx >= 0 and w_idx < K:
-                lg_mult = Float32(1.0)
 
-            # norm_w * qk_w of this thread's chunks (fp32), 0 past H. In shared memory the
-            # element (e, t, k) of chunk k * NT + t sits at ((k * 2 + e // 4) * NT + t) * 4
-            # + e % 4: each 16-byte read of a warp is contiguous. Only the owning thread
-            # writes and reads its entries (program order; no barrier needed).
+            # norm_w * qk_w of this thread's chunks (fp32), 0 past the segment. In shared
+            # memory the element (e, t, k) of chunk k * NT + t sits at ((k * 2 + e // 4) * NT
+            # + t) * 4 + e % 4: each 16-byte read of a warp is contiguous. Only the owning
+            # thread writes and reads its entries (program order; no barrier needed).
             if cutlass.const_expr(self.wq_smem):
                 wq = storage.wq.get_tensor(cute.make_layout(
                     ((4, 2), NT, CPT), stride=((1, 4 * NT), 4, 8 * NT)))
@@ -375,12 +729,15 @@ class AttnResSm90:
                 prod = cute.make_rmem_tensor((_CHUNK,), Float32)
                 prod.fill(0.0)
                 if j < nchunk:
-                    a = cute.make_tensor(norm_w.iterator + cute.assume(j * _CHUNK, divby=_CHUNK),
+                    goff = cbase + j * _CHUNK
+                    a = cute.make_tensor(norm_w.iterator + cute.assume(goff, divby=_CHUNK),
                                          cute.make_layout(_CHUNK))
-                    b = cute.make_tensor(qk_w.iterator + cute.assume(j * _CHUNK, divby=_CHUNK),
+                    b = cute.make_tensor(qk_w.iterator + cute.assume(goff, divby=_CHUNK),
                                          cute.make_layout(_CHUNK))
                     prod.store(a.load().to(Float32) * b.load().to(Float32))
                 wq_t[None, k].store(prod.load())
+            if cutlass.const_expr(C > 1):
+                cute.arch.cluster_wait()
 
             cp = cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)  # p (bf16)
             cs = cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)  # delta / source / out_norm_w
@@ -388,109 +745,153 @@ class AttnResSm90:
             cs.fill(0.0)
             acc = cute.make_rmem_tensor((_CHUNK, CPT), Float32)
 
-            slot = Int32(0)
-            phase = Int32(0)
-            par = Int32(0)
-            for row in range(bid, M, nblk):
-                r64 = Int64(row)
-                # ---- p = prefix (+ delta)
-                slot_p = slot
+            if cutlass.const_expr(C > 1):
+                # always batched: can_implement guarantees a ring of >= _MAX_LOADS segments
+                self._rows_batched(ring, full, empty, xbar, red_s, red_n, xbuf_s, xbuf_n,
+                                   wq, cp, cs, acc, prefix, delta, blocks, out_norm_w, out,
+                                   cid, ncl, rank, seg, cbase, nchunk, n_st, w_idx, nsrc_b,
+                                   lg_mult, has_delta, has_out_norm, eps, out_eps,
+                                   tidx, warp, lane)
+            elif use_batched != 0:
+                self._rows_batched(ring, full, empty, xbar, red_s, red_n, xbuf_s, xbuf_n,
+                                   wq, cp, cs, acc, prefix, delta, blocks, out_norm_w, out,
+                                   cid, ncl, rank, seg, cbase, nchunk, n_st, w_idx, nsrc_b,
+                                   lg_mult, has_delta, has_out_norm, eps, out_eps,
+                                   tidx, warp, lane)
+            else:
+                self._rows_online(ring, full, empty, red, wq, cp, cs, acc, prefix, blocks,
+                                  out_norm_w, out, K, w_idx, lg_mult, has_delta,
+                                  has_out_norm, eps, out_eps, tidx, warp, lane, n_st, inv_h)
+
+        if cutlass.const_expr(C > 1):
+            # no CTA exits while a peer may still store into its shared memory. Every store
+            # into a CTA is tx-counted on an mbarrier that the CTA waited on, so only the
+            # execution order matters here: relaxed arrive (no MEMBAR.GPU on the exit path)
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def _rows_online(self, ring, full, empty, red, wq, cp, cs, acc, prefix: cute.Tensor,
+                     blocks: cute.Tensor, out_norm_w: cute.Tensor, out: cute.Tensor,
+                     K: Int32, w_idx: Int32, lg_mult: Float32, has_delta: Int32,
+                     has_out_norm: Int32, eps: Float32, out_eps: Float32, tidx: Int32,
+                     warp: Int32, lane: Int32, n_st: Int32, inv_h: Float32):
+        """v1 online schedule (row_split = 1): one reduction per source."""
+        NW = self.num_warps_c
+        NT = self.num_threads_c
+        CPT = self.cpt
+        bid, _, _ = cute.arch.block_idx()
+        nblk, _, _ = cute.arch.grid_dim()
+        M = prefix.shape[0]
+        H = prefix.shape[1]
+        s_pre = prefix.stride[0]
+        s_out = out.stride[0]
+        s_bm = blocks.stride[0]
+        s_bn = blocks.stride[1]
+        nchunk = H // _CHUNK
+        slot = Int32(0)
+        phase = Int32(0)
+        par = Int32(0)
+        for row in range(bid, M, nblk):
+            r64 = Int64(row)
+            # ---- p = prefix (+ delta)
+            slot_p = slot
+            cute.arch.mbarrier_wait(full + slot, phase)
+            self._load_slot(ring, slot, H, tidx, nchunk, cp)
+            slot, phase = self._advance(slot, phase, n_st)
+            slot_d = slot
+            if has_delta != 0:
                 cute.arch.mbarrier_wait(full + slot, phase)
-                self._load_slot(ring, slot, H, tidx, nchunk, cp)
+                self._add_slot(ring, slot, H, tidx, nchunk, cp)
                 slot, phase = self._advance(slot, phase, n_st)
-                slot_d = slot
-                if has_delta != 0:
-                    cute.arch.mbarrier_wait(full + slot, phase)
-                    self._add_slot(ring, slot, H, tidx, nchunk, cp)
-                    slot, phase = self._advance(slot, phase, n_st)
-                    self._store_row(
-                        prefix.iterator + cute.assume(r64 * Int64(s_pre), divby=_CHUNK),
-                        tidx, nchunk, cp)
-                if w_idx >= 0:
-                    off_w = r64 * Int64(s_bm) + Int64(w_idx) * Int64(s_bn)
-                    self._store_row(blocks.iterator + cute.assume(off_w, divby=_CHUNK),
-                                    tidx, nchunk, cp)
-
-                for k in cutlass.range_constexpr(CPT):
-                    acc[None, k].store(cp[None, k].load().to(Float32))
-                ss, dd = self._partials(acc, wq, tidx)
-                ss, dd = self._warp_sum2(ss, dd)
-                if lane == 0:  # every lane's shared loads fed the butterfly: slots free
-                    cute.arch.mbarrier_arrive(empty + slot_p)
-                    if has_delta != 0:
-                        cute.arch.mbarrier_arrive(empty + slot_d)
-                ss, dd = self._cta_sum2(ss, dd, red, par, warp, lane)
-                par = par ^ 1
-                # weight of p: mult * exp2(t_p - m) == exp2(t_p + log2(mult) - m), so p
-                # enters once with its score raised by log2(mult) (0 or 1) and l = 1
-                m_run = cute.math.rsqrt(ss * inv_h + eps, fastmath=True) * dd * _LOG2E + lg_mult
-                l_run = Float32(1.0)
-
-                # ---- block sources i < K (slot w is p, already counted)
-                for i in range(K):
-                    if i != w_idx:
-                        slot_s = slot
-                        cute.arch.mbarrier_wait(full + slot, phase)
-                        self._load_slot(ring, slot, H, tidx, nchunk, cs)
-                        slot, phase = self._advance(slot, phase, n_st)
-                        ss, dd = self._partials(cs, wq, tidx)
-                        ss, dd = self._warp_sum2(ss, dd)
-                        if cutlass.const_expr(not self.reread):
-                            if lane == 0:  # the butterfly consumed every lane's loads
-                                cute.arch.mbarrier_arrive(empty + slot_s)
-                        ss, dd = self._cta_sum2(ss, dd, red, par, warp, lane)
-                        par = par ^ 1
-                        t = cute.math.rsqrt(ss * inv_h + eps, fastmath=True) * dd * _LOG2E
-                        m_new = cute.arch.fmax(m_run, t)
-                        corr = cute.math.exp2(m_run - m_new, fastmath=True)
-                        e = cute.math.exp2(t - m_new, fastmath=True)
-                        l_run = l_run * corr + e
-                        m_run = m_new
-                        if cutlass.const_expr(self.reread):
-                            # source read again from its slot (the named barrier keeps the
-                            # compiler from holding the first read live: fewer registers)
-                            self._mix_slot(ring, slot_s, H, tidx, nchunk, acc, corr, e)
-                            cute.arch.sync_warp()
-                            if lane == 0:
-                                cute.arch.mbarrier_arrive(empty + slot_s)
-                        else:
-                            for k in cutlass.range_constexpr(CPT):
-                                acc[None, k].store(acc[None, k].load() * corr
-                                                   + cs[None, k].load().to(Float32) * e)
-
-                # ---- mix, output RMSNorm, store
-                inv_l = Float32(1.0) / l_run
-                for k in cutlass.range_constexpr(CPT):
-                    acc[None, k].store(acc[None, k].load() * inv_l)
-                if has_out_norm != 0:
-                    for k in cutlass.range_constexpr(CPT):
-                        j = k * NT + tidx
-                        if j < nchunk:
-                            g = cute.make_tensor(
-                                out_norm_w.iterator + cute.assume(j * _CHUNK, divby=_CHUNK),
-                                cute.make_layout(_CHUNK))
-                            cs[None, k].store(g.load())
-                    nch = min(CPT, 4)
-                    sqk = cute.make_rmem_tensor((nch,), Float32)
-                    for k in cutlass.range_constexpr(CPT):
-                        x = acc[None, k].load()
-                        if cutlass.const_expr(k < nch):
-                            a = x[0] * x[0]
-                        else:
-                            a = sqk[k % nch] + x[0] * x[0]
-                        for e2 in cutlass.range_constexpr(1, _CHUNK):
-                            a = a + x[e2] * x[e2]
-                        sqk[k % nch] = a
-                    sq, _z = self._warp_sum2(self._tree(sqk), Float32(0.0))
-                    sq, _z = self._cta_sum2(sq, _z, red, par, warp, lane)
-                    par = par ^ 1
-                    r = cute.math.rsqrt(sq * inv_h + out_eps, fastmath=True)
-                    for k in cutlass.range_constexpr(CPT):
-                        cp[None, k].store(
-                            (acc[None, k].load() * r * cs[None, k].load().to(Float32))
-                            .to(self.dtype))
-                else:
-                    for k in cutlass.range_constexpr(CPT):
-                        cp[None, k].store(acc[None, k].load().to(self.dtype))
-                self._store_row(out.iterator + cute.assume(r64 * Int64(s_out), divby=_CHUNK),
+                self._store_row(
+                    prefix.iterator + cute.assume(r64 * Int64(s_pre), divby=_CHUNK),
+                    tidx, nchunk, cp)
+            if w_idx >= 0:
+                off_w = r64 * Int64(s_bm) + Int64(w_idx) * Int64(s_bn)
+                self._store_row(blocks.iterator + cute.assume(off_w, divby=_CHUNK),
                                 tidx, nchunk, cp)
+
+            for k in cutlass.range_constexpr(CPT):
+                acc[None, k].store(cp[None, k].load().to(Float32))
+            ss, dd = self._partials(acc, wq, tidx)
+            ss, dd = self._warp_sum2(ss, dd)
+            if lane == 0:  # every lane's shared loads fed the butterfly: slots free
+                cute.arch.mbarrier_arrive(empty + slot_p)
+                if has_delta != 0:
+                    cute.arch.mbarrier_arrive(empty + slot_d)
+            ss, dd = self._cta_sum2(ss, dd, red, par, warp, lane)
+            par = par ^ 1
+            # weight of p: mult * exp2(t_p - m) == exp2(t_p + log2(mult) - m), so p
+            # enters once with its score raised by log2(mult) (0 or 1) and l = 1
+            m_run = cute.math.rsqrt(ss * inv_h + eps, fastmath=True) * dd * _LOG2E + lg_mult
+            l_run = Float32(1.0)
+
+            # ---- block sources i < K (slot w is p, already counted)
+            for i in range(K):
+                if i != w_idx:
+                    slot_s = slot
+                    cute.arch.mbarrier_wait(full + slot, phase)
+                    self._load_slot(ring, slot, H, tidx, nchunk, cs)
+                    slot, phase = self._advance(slot, phase, n_st)
+                    ss, dd = self._partials(cs, wq, tidx)
+                    ss, dd = self._warp_sum2(ss, dd)
+                    if cutlass.const_expr(not self.reread):
+                        if lane == 0:  # the butterfly consumed every lane's loads
+                            cute.arch.mbarrier_arrive(empty + slot_s)
+                    ss, dd = self._cta_sum2(ss, dd, red, par, warp, lane)
+                    par = par ^ 1
+                    t = cute.math.rsqrt(ss * inv_h + eps, fastmath=True) * dd * _LOG2E
+                    m_new = cute.arch.fmax(m_run, t)
+                    corr = cute.math.exp2(m_run - m_new, fastmath=True)
+                    e = cute.math.exp2(t - m_new, fastmath=True)
+                    l_run = l_run * corr + e
+                    m_run = m_new
+                    if cutlass.const_expr(self.reread):
+                        # source read again from its slot (the named barrier keeps the
+                        # compiler from holding the first read live: fewer registers)
+                        self._mix_slot(ring, slot_s, H, tidx, nchunk, acc, corr, e)
+                        cute.arch.sync_warp()
+                        if lane == 0:
+                            cute.arch.mbarrier_arrive(empty + slot_s)
+                    else:
+                        for k in cutlass.range_constexpr(CPT):
+                            acc[None, k].store(acc[None, k].load() * corr
+                                               + cs[None, k].load().to(Float32) * e)
+
+            # ---- mix, output RMSNorm, store
+            inv_l = Float32(1.0) / l_run
+            for k in cutlass.range_constexpr(CPT):
+                acc[None, k].store(acc[None, k].load() * inv_l)
+            if has_out_norm != 0:
+                for k in cutlass.range_constexpr(CPT):
+                    j = k * NT + tidx
+                    if j < nchunk:
+                        g = cute.make_tensor(
+                            out_norm_w.iterator + cute.assume(j * _CHUNK, divby=_CHUNK),
+                            cute.make_layout(_CHUNK))
+                        cs[None, k].store(g.load())
+                nch = min(CPT, 4)
+                sqk = cute.make_rmem_tensor((nch,), Float32)
+                for k in cutlass.range_constexpr(CPT):
+                    x = acc[None, k].load()
+                    if cutlass.const_expr(k < nch):
+                        a = x[0] * x[0]
+                    else:
+                        a = sqk[k % nch] + x[0] * x[0]
+                    for e2 in cutlass.range_constexpr(1, _CHUNK):
+                        a = a + x[e2] * x[e2]
+                    sqk[k % nch] = a
+                sq, _z = self._warp_sum2(self._tree(sqk), Float32(0.0))
+                sq, _z = self._cta_sum2(sq, _z, red, par, warp, lane)
+                par = par ^ 1
+                r = cute.math.rsqrt(sq * inv_h + out_eps, fastmath=True)
+                for k in cutlass.range_constexpr(CPT):
+                    cp[None, k].store(
+                        (acc[None, k].load() * r * cs[None, k].load().to(Float32))
+                        .to(self.dtype))
+            else:
+                for k in cutlass.range_constexpr(CPT):
+                    cp[None, k].store(acc[None, k].load().to(self.dtype))
+            self._store_row(out.iterator + cute.assume(r64 * Int64(s_out), divby=_CHUNK),
+                            tidx, nchunk, cp)

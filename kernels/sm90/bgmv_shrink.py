@@ -27,6 +27,19 @@ acc = acc + x * a over its vectors in increasing v, elements 0..7 of a vector in
 then combined by a xor-butterfly (offsets 16, 8, 4, 2, 1). Neither gs, rw, the unroll
 depth, T, k, the grid nor `order` changes the sequence, so results are bitwise
 deterministic and batch-invariant. No atomics: every s element has exactly one writer.
+v2 bin mode (P = T * k >= config.bin_min_pairs and config.bin_mode; bin_kernel): work item =
+(bin = l * E + e over all L * E bins, row block of bin_warps * bin_rows_per_warp rows), grid
+stride over a persistent grid. The CTA scans the pair table p = 0 .. P-1 in rounds of
+NT * bin_scan_unroll (all index loads of a round in flight), compacts its bin's pairs into a
+shared-memory list in increasing p (warp ballot + popc, per-warp counts, no atomics), and
+runs every full group of bin_group pairs as soon as it exists (the remainder waits for the
+next round; the last partial group at the end). A group streams A[l, e, rows, :] and the
+group's gathered x rows in bin_chunk_h-element H stages through a bin_stages-deep 16-byte
+cp.async (LDGSTS) ring; each A vector read from shared memory is used for every pair of
+the group. Lane `lane` of the warp owning a row reads the vectors v = lane + 32 * i in
+increasing i, with the same FMA expression and butterfly as run_items: bit-identical to the
+pair schedule. Dead pairs (skipped adapter / expert) are zeroed by a grid-stride pass; every
+pair in [0, P) is written (order is not used in bin mode).
 """
 from __future__ import annotations
 
@@ -36,12 +49,20 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
 
-SASS_REQUIRED = ("LDG", "SHFL")
-SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "LDGSTS")
+SASS_REQUIRED = ("LDG", "SHFL", "LDGSTS", "LDGDEPBAR", "VOTE")
+SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
 
 _DTYPES = (cutlass.Float16, cutlass.BFloat16)
 _VEC = 8  # elements per 16-byte vector
+_SMEM_LIMIT = 227 * 1024
+
+
+def _bin_smem_bytes(c) -> int:
+    nt = 32 * c.bin_warps
+    ring = c.bin_stages * (c.bin_warps * c.bin_rows_per_warp + c.bin_group) * c.bin_chunk_h * 2
+    return ring + 4 * (nt * c.bin_scan_unroll + c.bin_group) + 4 * c.bin_scan_unroll * c.bin_warps + 1024
 
 
 @dataclass(frozen=True)
@@ -62,6 +83,16 @@ class BgmvShrinkSm90Config:
     batched_min_entries: int = 512
     num_sms: int = 132
     ctas_per_sm: int = 3
+    # ---- v2 bin mode (large T; see the module docstring)
+    bin_mode: bool = True          # False: always the v1 pair schedule
+    bin_min_pairs: int = 384       # P = T * k from which the bin schedule runs
+    bin_warps: int = 8             # warps per bin CTA
+    bin_rows_per_warp: int = 4     # A rows per warp (row block = bin_warps * this)
+    bin_group: int = 6             # pairs per A stream (fp32 acc = group * rows_per_warp)
+    bin_chunk_h: int = 256         # H elements per ring stage (multiple of 256)
+    bin_stages: int = 4            # cp.async ring depth
+    bin_scan_unroll: int = 8       # pair-table entries per thread per scan round
+    bin_ctas_per_sm: int = 2
 
 
 class BgmvShrinkSm90:
@@ -84,7 +115,22 @@ class BgmvShrinkSm90:
             return False
         if not (1 <= c.unroll <= 8 and 1 <= c.small_unroll <= 16):
             return False
-        return c.batched_min_entries >= 1 and c.num_sms >= 1 and c.ctas_per_sm >= 1
+        if not (c.batched_min_entries >= 1 and c.num_sms >= 1 and c.ctas_per_sm >= 1):
+            return False
+        # bin mode
+        nt = 32 * c.bin_warps
+        if not (1 <= c.bin_warps <= 16 and 1 <= c.bin_rows_per_warp <= 8 and 1 <= c.bin_group <= 32):
+            return False
+        if c.bin_group * c.bin_rows_per_warp > 64 or c.bin_group > nt:
+            return False
+        if c.bin_chunk_h < 256 or c.bin_chunk_h % 256 or not (2 <= c.bin_stages <= 8):
+            return False
+        cpr = c.bin_chunk_h // _VEC
+        if (c.bin_warps * c.bin_rows_per_warp * cpr) % nt:
+            return False
+        if not (1 <= c.bin_scan_unroll <= 32 and c.bin_min_pairs >= 1 and c.bin_ctas_per_sm >= 1):
+            return False
+        return _bin_smem_bytes(c) <= _SMEM_LIMIT
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -103,8 +149,20 @@ class BgmvShrinkSm90:
         items = big * items_big + (1 - big) * items_small
         grid = cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm)
         grid = cutlass.max(grid, 1)
-        self.kernel(x, a, topk_ids, lora, order, s).launch(
-            grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
+        P = x.shape[0] * topk_ids.shape[1]
+        use_bin = cutlass.Boolean(False)
+        if cutlass.const_expr(cfg.bin_mode):
+            use_bin = P >= cfg.bin_min_pairs
+        if use_bin:
+            rb_rows = cfg.bin_warps * cfg.bin_rows_per_warp
+            b_items = a.shape[0] * a.shape[1] * ((R + rb_rows - 1) // rb_rows)
+            b_grid = cutlass.max(cutlass.min(b_items, cfg.num_sms * cfg.bin_ctas_per_sm), 1)
+            self.bin_kernel(x, a, topk_ids, lora, s).launch(
+                grid=[b_grid, 1, 1], block=[32 * cfg.bin_warps, 1, 1], stream=stream,
+                min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100)
+        else:
+            self.kernel(x, a, topk_ids, lora, order, s).launch(
+                grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -244,3 +302,212 @@ class BgmvShrinkSm90:
                         r = rb * rows_blk + i * W + warp
                         if (lane == 0) & (((members >> g) & 1) != 0) & (r < R):
                             s[pv[g], r] = c.to(self.dtype)
+
+    # ================================================================== v2 bin mode
+    @cute.kernel
+    def bin_kernel(self, x: cute.Tensor, a: cute.Tensor, topk_ids: cute.Tensor,
+                   lora: cute.Tensor, s: cute.Tensor):
+        cfg = self.cfg
+        BW, RW, G = cfg.bin_warps, cfg.bin_rows_per_warp, cfg.bin_group
+        HC, S, SU = cfg.bin_chunk_h, cfg.bin_stages, cfg.bin_scan_unroll
+        NT = 32 * BW
+        RB = BW * RW
+        CAP = NT * SU + G
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        nblk, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+
+        T = x.shape[0]
+        H = x.shape[1]
+        L = a.shape[0]
+        E = a.shape[1]
+        R = a.shape[2]
+        K = topk_ids.shape[1]
+        P = T * K
+        n_rb = (R + RB - 1) // RB
+        items = L * E * n_rb
+
+        smem = cutlass.utils.SmemAllocator()
+        sA = smem.allocate_tensor(self.dtype,
+                                  cute.make_layout((RB, HC, S), stride=(HC, 1, RB * HC)), 128)
+        sX = smem.allocate_tensor(self.dtype,
+                                  cute.make_layout((G, HC, S), stride=(HC, 1, G * HC)), 128)
+        slist = smem.allocate_tensor(cutlass.Int32, cute.make_layout((CAP,)), 16)
+        swc = smem.allocate_tensor(cutlass.Int32, cute.make_layout((SU * BW,)), 16)
+
+        # ---- dead pairs (skipped adapter / expert): their s rows are zero
+        for p in cutlass.range(bid * NT + tidx, P, nblk * NT):
+            t = p // K
+            j = p - t * K
+            lo = lora[t]
+            ex = topk_ids[t, j]
+            if not ((lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)):
+                for r in cutlass.range(R):
+                    s[p, r] = self.dtype(0.0)
+
+        for w in cutlass.range(bid, items, nblk):
+            bn = w // n_rb
+            rb = w - bn * n_rb
+            r0 = rb * RB
+            l_b = bn // E
+            e_b = bn - l_b * E
+            nl = cutlass.Int32(0)        # pairs collected, not yet processed (CTA-uniform)
+            for base in cutlass.range(0, P, NT * SU):
+                # ---- scan a round of NT * SU pairs (all index loads in flight together)
+                hit = cute.make_rmem_tensor((SU,), cutlass.Int32)
+                for u in cutlass.range_constexpr(SU):
+                    p = base + u * NT + tidx
+                    pc = cutlass.min(p, P - 1)
+                    t = pc // K
+                    j = pc - t * K
+                    lo = lora[t]
+                    ex = topk_ids[t, j]
+                    hit[u] = cutlass.Int32((p < P) & (lo == l_b) & (ex == e_b))
+                # ---- ballot + popc compaction, increasing p (u-major, then warp, lane)
+                for u in cutlass.range_constexpr(SU):
+                    bal = cute.arch.vote_ballot_sync(hit[u] != 0)
+                    if lane == 0:
+                        swc[u * BW + warp] = cute.arch.popc(cutlass.Int32(bal))
+                cute.arch.sync_threads()
+                lt = cutlass.Int32(cute.arch.lanemask_lt())
+                run = nl
+                for u in cutlass.range_constexpr(SU):
+                    mine = run
+                    for ww in cutlass.range_constexpr(BW):
+                        c = swc[u * BW + ww]
+                        mine = cutlass.Int32(cutlass.select_(ww < warp, mine + c, mine))
+                        run = run + c
+                    bal = cute.arch.vote_ballot_sync(hit[u] != 0)
+                    if hit[u] != 0:
+                        slist[mine + cute.arch.popc(cutlass.Int32(bal) & lt)] = base + u * NT + tidx
+                nl = run
+                cute.arch.sync_threads()
+                # ---- full groups now; the remainder (< G) waits for the next round
+                ng = nl // G
+                for gi in cutlass.range(ng):
+                    self.bin_group(x, a, s, sA, sX, slist, gi * G, G, l_b, e_b, r0, K, R, H,
+                                   tidx, warp, lane)
+                rem = nl - ng * G
+                if ng > 0:
+                    mv = cutlass.Int32(0)
+                    if tidx < rem:
+                        mv = slist[ng * G + tidx]
+                    cute.arch.sync_threads()
+                    if tidx < rem:
+                        slist[tidx] = mv
+                    cute.arch.sync_threads()
+                nl = rem
+            if nl > 0:
+                self.bin_group(x, a, s, sA, sX, slist, 0, nl, l_b, e_b, r0, K, R, H,
+                               tidx, warp, lane)
+            cute.arch.sync_threads()
+
+    @cute.jit
+    def bin_group(self, x: cute.Tensor, a: cute.Tensor, s: cute.Tensor, sA: cute.Tensor,
+                  sX: cute.Tensor, slist: cute.Tensor, off: cutlass.Int32, n: cutlass.Int32,
+                  l_b: cutlass.Int32, e_b: cutlass.Int32, r0: cutlass.Int32, K: cutlass.Int32,
+                  R: cutlass.Int32, H: cutlass.Int32, tidx: cutlass.Int32, warp: cutlass.Int32,
+                  lane: cutlass.Int32):
+        """s rows r0 .. r0+RB-1 of the n (<= G) pairs slist[off .. off+n): A[l_b, e_b, rows, :]
+        and the pairs' x rows stream through the cp.async ring once; each A vector is used
+        for every pair of the group. Same lane -> vector mapping, FMA chain and butterfly as
+        the pair schedule (run_items)."""
+        cfg = self.cfg
+        BW, RW, G = cfg.bin_warps, cfg.bin_rows_per_warp, cfg.bin_group
+        HC, S = cfg.bin_chunk_h, cfg.bin_stages
+        NT = 32 * BW
+        cpr = HC // _VEC
+        nvec = H // _VEC
+        n_st = (H + HC - 1) // HC
+        NXS = (G * cpr + NT - 1) // NT
+        # token of the x row each of this thread's x-copy slots serves (-1: no pair)
+        xtok = cute.make_rmem_tensor((NXS,), cutlass.Int32)
+        for ps in cutlass.range_constexpr(NXS):
+            m = (ps * NT + tidx) // cpr
+            xtok[ps] = cutlass.Int32(-1)
+            if m < n:                         # (m < n <= G: slot inside the group)
+                xtok[ps] = slist[off + m] // K
+
+        for st in cutlass.range_constexpr(S - 1):
+            if st < n_st:
+                self.bin_load_stage(x, a, sA, sX, l_b, e_b, r0, R, xtok, nvec, st, st, tidx)
+            cute.arch.cp_async_commit_group()
+
+        acc = cute.make_rmem_tensor((G * RW,), cutlass.Float32)
+        acc.fill(0.0)
+        for hs in cutlass.range(n_st):
+            cute.arch.cp_async_wait_group(S - 2)
+            cute.arch.sync_threads()
+            nxt = hs + (S - 1)
+            if nxt < n_st:
+                self.bin_load_stage(x, a, sA, sX, l_b, e_b, r0, R, xtok, nvec, nxt, nxt % S, tidx)
+            cute.arch.cp_async_commit_group()
+            slot = hs % S
+            for ii in cutlass.range_constexpr(HC // 256):
+                cl = lane + 32 * ii
+                v = hs * cpr + cl                # = lane + 32 * i, i increasing: as run_items
+                if v < nvec:
+                    as_ = cute.make_rmem_tensor((_VEC, RW), cutlass.Float32)
+                    for i in cutlass.range_constexpr(RW):
+                        va = cute.local_tile(sA[warp * RW + i, None, slot], (_VEC,), (cl,))
+                        as_[None, i].store(va.load().to(cutlass.Float32))
+                    for g in cutlass.range_constexpr(G):
+                        if g < n:
+                            xs = cute.make_rmem_tensor((_VEC,), cutlass.Float32)
+                            vx = cute.local_tile(sX[g, None, slot], (_VEC,), (cl,))
+                            xs.store(vx.load().to(cutlass.Float32))
+                            for i in cutlass.range_constexpr(RW):
+                                c = acc[g * RW + i]
+                                for e8 in cutlass.range_constexpr(_VEC):
+                                    c = c + xs[e8] * as_[e8, i]
+                                acc[g * RW + i] = c
+        # every warp is out of the ring (and done with slist) before it is refilled
+        cute.arch.sync_threads()
+
+        for g in cutlass.range_constexpr(G):
+            if g < n:
+                pg = slist[off + g]
+                for i in cutlass.range_constexpr(RW):
+                    c = acc[g * RW + i]
+                    for sh in cutlass.range_constexpr(5):
+                        c = c + cute.arch.shuffle_sync_bfly(c, offset=16 >> sh)
+                    r = r0 + warp * RW + i
+                    if (lane == 0) & (r < R):
+                        s[pg, r] = c.to(self.dtype)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def bin_load_stage(self, x: cute.Tensor, a: cute.Tensor, sA: cute.Tensor, sX: cute.Tensor,
+                       l_b: cutlass.Int32, e_b: cutlass.Int32, r0: cutlass.Int32,
+                       R: cutlass.Int32, xtok: cute.Tensor, nvec: cutlass.Int32,
+                       st: cutlass.Int32, slot: cutlass.Int32, tidx: cutlass.Int32):
+        """cp.async H-chunk `st` of A[l_b, e_b, r0:r0+RB, :] and of the group's x rows into
+        ring slot `slot`. Vectors past H or R are not copied (and never used)."""
+        cfg = self.cfg
+        BW, RW, G, HC = cfg.bin_warps, cfg.bin_rows_per_warp, cfg.bin_group, cfg.bin_chunk_h
+        NT = 32 * BW
+        RB = BW * RW
+        cpr = HC // _VEC
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                   self.dtype, num_bits_per_copy=128)
+        for ps in cutlass.range_constexpr(RB * cpr // NT):
+            v = ps * NT + tidx
+            row = v // cpr
+            ch = v - row * cpr
+            gch = st * cpr + ch
+            if (gch < nvec) & (r0 + row < R):
+                src = cute.local_tile(a[l_b, e_b, r0 + row, None], (_VEC,), (gch,))
+                dst = cute.local_tile(sA[row, None, slot], (_VEC,), (ch,))
+                cute.copy(atom, src, dst)
+        for ps in cutlass.range_constexpr((G * cpr + NT - 1) // NT):
+            v = ps * NT + tidx
+            row = v // cpr
+            ch = v - row * cpr
+            gch = st * cpr + ch
+            tok = xtok[ps]
+            if (tok >= 0) & (gch < nvec):
+                src = cute.local_tile(x[tok, None], (_VEC,), (gch,))
+                dst = cute.local_tile(sX[row, None, slot], (_VEC,), (ch,))
+                cute.copy(atom, src, dst)

@@ -117,9 +117,9 @@ def test_sorted_order_equals_token_order_bitwise(design, skew):
     check_expand(y1, s1, b, ids, lora, w)
 
 
-@pytest.mark.parametrize("skew", [False, True])
-def test_bitwise_deterministic_over_100_runs(design, skew):
-    x, a, b, ids, w, lora = make(512, 6, 2688, 2688, 32, 8, 128, torch.bfloat16, seed=5, skew=skew)
+@pytest.mark.parametrize("t,skew", [(8, False), (512, False), (512, True), (2048, False)])
+def test_bitwise_deterministic_over_100_runs(design, t, skew):
+    x, a, b, ids, w, lora = make(t, 6, 2688, 2688, 32, 8, 128, torch.bfloat16, seed=5, skew=skew)
     plan = run_plan(x, a, b, ids, w, lora)
     s0, y0 = plan.shrink_out.clone(), plan.out.clone()
     for _ in range(100):
@@ -130,24 +130,43 @@ def test_bitwise_deterministic_over_100_runs(design, skew):
         assert torch.equal(plan.shrink_out, s0) and torch.equal(plan.out, y0)
 
 
-def test_batch_invariance(design):
-    """A token's outputs do not depend on which other tokens share the batch."""
-    x, a, b, ids, w, lora = make(256, 6, 2688, 2688, 32, 8, 128, torch.bfloat16, seed=6)
-    full = run_plan(x, a, b, ids, w, lora)
-    for sel in (torch.arange(1, device="cuda"), torch.arange(0, 256, 7, device="cuda"),
-                torch.randperm(256, device="cuda")[:33]):
+@pytest.mark.parametrize("finalize", [True, False])
+def test_batch_invariance(design, finalize):
+    """A token's outputs do not depend on which other tokens share the batch: subsets of 1..300
+    tokens (the small-T pair schedule) against the full batch of 1024 (the bin-grouped
+    schedule), bit for bit."""
+    t, k = 1024, 6
+    x, a, b, ids, w, lora = make(t, k, 2688, 2688, 32, 8, 128, torch.bfloat16, seed=6)
+    full = run_plan(x, a, b, ids, w, lora, finalize=finalize)
+    for sel in (torch.arange(1, device="cuda"), torch.arange(0, t, 37, device="cuda"),
+                torch.randperm(t, device="cuda")[:300]):
         sub = run_plan(x[sel].contiguous(), a, b, ids[sel].contiguous(), w[sel].contiguous(),
-                       lora[sel].contiguous())
-        assert torch.equal(sub.out, full.out[sel])
-        assert torch.equal(sub.shrink_out.view(len(sel), 6, -1), full.shrink_out.view(256, 6, -1)[sel])
+                       lora[sel].contiguous(), finalize=finalize)
+        assert torch.equal(sub.shrink_out.view(len(sel), k, -1), full.shrink_out.view(t, k, -1)[sel])
+        if finalize:
+            assert torch.equal(sub.out, full.out[sel])
+        else:
+            assert torch.equal(sub.out.view(len(sel), k, -1), full.out.view(t, k, -1)[sel])
 
 
-def test_graph_replay_with_new_contents(design):
-    t, k, h, n, r, num_l, num_e = 32, 6, 2688, 2688, 32, 8, 128
+def _warm_graph_pool():
+    """torch allocates a small block on a process's first graph capture; do that first."""
+    x = torch.zeros(8, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x.add_(1)
+    torch.cuda.synchronize()
+    return g  # keep it alive: torch's per-capture generator state lives as long as a graph
+
+
+@pytest.mark.parametrize("t", [32, 700])
+def test_graph_replay_with_new_contents(design, t):
+    k, h, n, r, num_l, num_e = 6, 2688, 2688, 32, 8, 128
     x, a, b, ids, w, lora = make(t, k, h, n, r, num_l, num_e, torch.bfloat16, seed=7)
     plan = prepare_bgmv_moe(x, a, b, ids, w, lora)
     plan.run()
     torch.cuda.synchronize()
+    keep = _warm_graph_pool()  # noqa: F841
     before = torch.cuda.memory_allocated()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -181,7 +200,7 @@ def test_one_shot_and_compile(design):
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
-@given(t=st.integers(1, 300), k=st.integers(1, 8), h8=st.integers(1, 600), n8=st.integers(1, 600),
+@given(t=st.one_of(st.integers(1, 64), st.integers(65, 1500)), k=st.integers(1, 8), h8=st.integers(1, 600), n8=st.integers(1, 600),
        r=st.sampled_from([8, 16, 24, 32, 40, 48, 56, 64]), num_l=st.integers(1, 16),
        num_e=st.sampled_from([1, 3, 8, 64, 128, 512]), skew=st.booleans(),
        none_frac=st.sampled_from([0.0, 0.3, 1.0]), finalize=st.booleans(),
