@@ -27,9 +27,6 @@ Design (memory bound; every source row crosses HBM once):
     row parity), the softmax is computed once, and the mix re-reads the slots (each slot is
     released right after its mix read). The output norm costs one more reduction (and one
     more DSMEM exchange). Every CTA of a cluster stores its own segment.
-    config.mix_from_l2 (row_split = 1): each block slot is released right after its score
-    read and the mix re-reads the block rows from global memory (L2 hits), so the producer
-    prefetches the next row while this one is mixed (same values, same FMA order).
   - online schedule (row_split = 1 when the row does not fit in the ring, e.g. 16384 tier at
     large H): one reduction per source, online softmax (running max, rescaled accumulator).
   - chunks past the segment are never loaded or stored; they stay 0 in registers.
@@ -89,16 +86,7 @@ class AttnResSm90Config:
         schedule (one reduction per source).
     batched_min_free: row_split = 1: the batched schedule is used only when the ring has at
         least this many slots beyond one row's loads (prefetch of the next row while a row
-        is mixed); otherwise the online schedule streams through the ring.
-    mix_from_l2: row_split = 1, batched schedule only: each block source slot is released
-        to the producer right after its score-pass read (so the next row's loads are issued
-        while this row is scored and mixed), and the mix pass re-reads the block sources
-        from global memory (just loaded by the bulk copies: L2 hits) with 16-byte loads of
-        the thread's own chunks; p stays in registers. False = the mix re-reads the slots
-        (each slot held until its mix read). Costs one extra L2 read of the block rows.
-    mix_l2_group: mix_from_l2: block sources whose global loads are issued together before
-        their FMAs (register buffers of CPT 16-byte chunks each); capped at 8 // CPT
-        (2 at max_hidden 8192, 1 at 16384) to stay clear of spills."""
+        is mixed); otherwise the online schedule streams through the ring."""
 
     consumer_warps: int = 8
     split_consumer_warps: int = 8
@@ -109,8 +97,6 @@ class AttnResSm90Config:
     ctas_per_sm: int = 1
     batched: bool = True
     batched_min_free: int = 2
-    mix_from_l2: bool = False
-    mix_l2_group: int = 2
 
 
 def _layout_numbers(max_hidden: int, cfg: AttnResSm90Config, row_split: int):
@@ -189,9 +175,6 @@ class AttnResSm90:
         self.ring_elems = ring_bytes // 2
         self.wq_elems = wq_bytes // 4 if self.wq_smem else 4  # (dummy 16 B when in registers)
         self.max_stages = config.max_stages
-        # batched schedule of row_split = 1 only: mix from global (L2) instead of the slots
-        self.mix_l2 = bool(config.mix_from_l2) and row_split == 1
-        self.mix_group = max(1, min(config.mix_l2_group, max(1, 8 // self.cpt), _MAXB))
 
     @staticmethod
     def can_implement(dtype, max_hidden, config: AttnResSm90Config, row_split: int = 1) -> bool:
@@ -200,7 +183,7 @@ class AttnResSm90:
         if max_hidden % _CHUNK != 0 or max_hidden < _CHUNK:
             return False
         if (config.max_stages < 2 or config.num_sms < 1 or config.wq_max_reg_chunks < 0
-                or config.batched_min_free < 0 or config.mix_l2_group < 1):
+                or config.batched_min_free < 0):
             return False
         return _layout_numbers(max_hidden, config, row_split) is not None
 
@@ -357,16 +340,6 @@ class AttnResSm90:
             if j < nchunk:
                 src = cute.make_tensor(g.iterator + cute.assume(cbase + j * _CHUNK,
                                                                 divby=_CHUNK),
-                                       cute.make_layout(_CHUNK))
-                dst[None, k].store(src.load())
-
-    @cute.jit
-    def _load_grow(self, gbase: cute.Pointer, tidx: Int32, nchunk: Int32, dst: cute.Tensor):
-        """dst[:, k] <- gbase[8 j : 8 j + 8], j = k * NT + tidx (valid j only; 16-byte loads)."""
-        for k in cutlass.range_constexpr(self.cpt):
-            j = k * self.num_threads_c + tidx
-            if j < nchunk:
-                src = cute.make_tensor(gbase + cute.assume(j * _CHUNK, divby=_CHUNK),
                                        cute.make_layout(_CHUNK))
                 dst[None, k].store(src.load())
 
@@ -535,12 +508,6 @@ class AttnResSm90:
                     sj, pj = self._skip(slot_b, ph_b, n_st, Int32(j))
                     cute.arch.mbarrier_wait(full + sj, pj)
                     self._load_slot(ring, sj, seg, tidx, nchunk, cs)
-                    if cutlass.const_expr(self.mix_l2):
-                        # the slot is not read again (the mix reads global memory): release
-                        # it now (one arrive per consumer warp per slot use, as always)
-                        cute.arch.sync_warp()
-                        if lane == 0:
-                            cute.arch.mbarrier_arrive(empty + sj)
                     a2, b2 = self._partials(cs, wq, tidx)
                     part[2 + 2 * j] = a2
                     part[3 + 2 * j] = b2
@@ -590,43 +557,13 @@ class AttnResSm90:
             wp = ep * inv_l
             for k in cutlass.range_constexpr(CPT):
                 acc[None, k].store(cp[None, k].load().to(Float32) * wp)
-            if cutlass.const_expr(self.mix_l2):
-                # block sources re-read from global memory (L2: the bulk copies just read
-                # them); source j < nsrc_b is blocks[m, j + (0 <= w <= j)] (the producer's
-                # order: block w is p, skipped). Groups of G sources: all loads, then FMAs.
-                G = self.mix_group
-                gbuf = [cs] + [cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)
-                               for _ in range(G - 1)]
-                rowb = r64 * Int64(s_bm) + cb64
-                for g in cutlass.range_constexpr((_MAXB + G - 1) // G):
-                    if g * G < nsrc_b:
-                        for q in cutlass.range_constexpr(G):
-                            if cutlass.const_expr(g * G + q < _MAXB):
-                                if g * G + q < nsrc_b:
-                                    bi = Int32(g * G + q)
-                                    if w_idx >= 0 and bi >= w_idx:
-                                        bi = bi + 1
-                                    off = rowb + Int64(bi) * Int64(s_bn)
-                                    self._load_grow(
-                                        blocks.iterator + cute.assume(off, divby=_CHUNK),
-                                        tidx, nchunk, gbuf[q])
-                        for q in cutlass.range_constexpr(G):
-                            if cutlass.const_expr(g * G + q < _MAXB):
-                                if g * G + q < nsrc_b:
-                                    ej = eb[g * G + q] * inv_l
-                                    for k in cutlass.range_constexpr(CPT):
-                                        if k * NT + tidx < nchunk:
-                                            acc[None, k].store(
-                                                acc[None, k].load()
-                                                + gbuf[q][None, k].load().to(Float32) * ej)
-            else:
-                for j in cutlass.range_constexpr(_MAXB):
-                    if j < nsrc_b:
-                        sj, pj = self._skip(slot_b, ph_b, n_st, Int32(j))
-                        self._axpy_slot(ring, sj, seg, tidx, nchunk, acc, eb[j] * inv_l)
-                        cute.arch.sync_warp()
-                        if lane == 0:
-                            cute.arch.mbarrier_arrive(empty + sj)
+            for j in cutlass.range_constexpr(_MAXB):
+                if j < nsrc_b:
+                    sj, pj = self._skip(slot_b, ph_b, n_st, Int32(j))
+                    self._axpy_slot(ring, sj, seg, tidx, nchunk, acc, eb[j] * inv_l)
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive(empty + sj)
 
             # ---- output RMSNorm, store
             if has_out_norm != 0:

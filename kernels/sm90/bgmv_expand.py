@@ -37,9 +37,6 @@ the same expression as the pair schedule. finalize=False writes y[p, cols] (a gr
 pass zeroes the rows of dead pairs); finalize=True writes ws[p, cols] and a second launch
 (fin_kernel) computes y[t, n] = (out = out + w[t, j] * ws[t*k+j, n] for live j in order),
 the pair schedule's expression: bit-identical across modes.
-v3: bin_pair_unroll (default 2; 1 = v2 code) runs that many of a thread's pairs' FMA chains
-interleaved (each chain unchanged: ILP only); fin_prefetch (default on; False = v2 code) issues
-all k ws / w / id loads of a token before the fixed-order sum (same expression, same order).
 """
 from __future__ import annotations
 
@@ -89,9 +86,6 @@ class BgmvExpandSm90Config:
     bin_ctas_per_sm: int = 2
     fin_threads: int = 128         # finalize pass: 4 columns per thread
     fin_ctas_per_sm: int = 8
-    # ---- v3 (latency): 1 / False restore the v2 code paths exactly
-    bin_pair_unroll: int = 2       # pairs whose FMA chains a thread runs interleaved (ILP)
-    fin_prefetch: bool = True      # finalize: issue all k ws / w / id loads before the sum
 
 
 class BgmvExpandSm90:
@@ -124,8 +118,6 @@ class BgmvExpandSm90:
         if not (1 <= c.bin_scan_unroll <= 32 and c.bin_min_pairs >= 1 and c.bin_ctas_per_sm >= 1):
             return False
         if not (32 <= c.fin_threads <= 1024 and c.fin_threads % 32 == 0 and c.fin_ctas_per_sm >= 1):
-            return False
-        if not (1 <= c.bin_pair_unroll <= 8):
             return False
         return _bin_smem_bytes(c) <= _SMEM_LIMIT
 
@@ -363,7 +355,6 @@ class BgmvExpandSm90:
         cfg = self.cfg
         NT, G, S, CN = cfg.bin_threads, cfg.bin_group, cfg.bin_stages, cfg.bin_cols
         TPC = NT // CN
-        PB = cfg.bin_pair_unroll
         R = b.shape[3]
         R8 = R // _VEC
         nch = (N + CN - 1) // CN
@@ -419,55 +410,23 @@ class BgmvExpandSm90:
                         if qv < R8:
                             vb = cute.local_tile(sB[c, None, slot], (_VEC,), (qv,))
                             bf[None, qq].store(vb.load().to(cutlass.Float32))
-                    if cutlass.const_expr(PB == 1):
-                        for m in cutlass.range(h, n, TPC):
-                            pm = slist[off + m]
-                            d = cutlass.Float32(0.0)
-                            if cutlass.const_expr(half == 1):
-                                if col < N:
-                                    d = out[pm, col]
-                            for qq in cutlass.range_constexpr(HV):
-                                qv = half * HV + qq
-                                if qv < R8:
-                                    s32 = cute.make_rmem_tensor((_VEC,), cutlass.Float32)
-                                    s32.store(cute.local_tile(sSf[m, None], (_VEC,), (qv,)).load())
-                                    acc = d
-                                    for e8 in cutlass.range_constexpr(_VEC):
-                                        acc = acc + s32[e8] * bf[e8, qq]
-                                    d = acc
+                    for m in cutlass.range(h, n, TPC):
+                        pm = slist[off + m]
+                        d = cutlass.Float32(0.0)
+                        if cutlass.const_expr(half == 1):
                             if col < N:
-                                out[pm, col] = d
-                    else:
-                        # PB of this thread's pairs (m = mb + TPC * u) at once: PB independent
-                        # chains, each the exact sequence above (d = 0 or its half-0 value,
-                        # then acc + s * b over q in increasing order). Slots past n recompute
-                        # the thread's own pair mb and are never stored.
-                        for mb in cutlass.range(h, n, TPC * PB):
-                            mrow = [None] * PB
-                            prow = [None] * PB
-                            dd = cute.make_rmem_tensor((PB,), cutlass.Float32)
-                            for u in cutlass.range_constexpr(PB):
-                                mu = mb + TPC * u
-                                mrow[u] = cutlass.Int32(cutlass.select_(mu < n, mu, mb))
-                                prow[u] = slist[off + mrow[u]]
-                                dd[u] = cutlass.Float32(0.0)
-                                if cutlass.const_expr(half == 1):
-                                    if col < N:
-                                        dd[u] = out[prow[u], col]
-                            for qq in cutlass.range_constexpr(HV):
-                                qv = half * HV + qq
-                                if qv < R8:
-                                    for u in cutlass.range_constexpr(PB):
-                                        s32 = cute.make_rmem_tensor((_VEC,), cutlass.Float32)
-                                        s32.store(cute.local_tile(sSf[mrow[u], None], (_VEC,),
-                                                                  (qv,)).load())
-                                        acc = dd[u]
-                                        for e8 in cutlass.range_constexpr(_VEC):
-                                            acc = acc + s32[e8] * bf[e8, qq]
-                                        dd[u] = acc
-                            for u in cutlass.range_constexpr(PB):
-                                if ((mb + TPC * u) < n) & (col < N):
-                                    out[prow[u], col] = dd[u]
+                                d = out[pm, col]
+                        for qq in cutlass.range_constexpr(HV):
+                            qv = half * HV + qq
+                            if qv < R8:
+                                s32 = cute.make_rmem_tensor((_VEC,), cutlass.Float32)
+                                s32.store(cute.local_tile(sSf[m, None], (_VEC,), (qv,)).load())
+                                acc = d
+                                for e8 in cutlass.range_constexpr(_VEC):
+                                    acc = acc + s32[e8] * bf[e8, qq]
+                                d = acc
+                        if col < N:
+                            out[pm, col] = d
         # every thread is out of the ring / s rows before the next group refills them
         cute.arch.sync_threads()
 
@@ -517,29 +476,7 @@ class BgmvExpandSm90:
             lo = lora[t]
             o = cute.make_rmem_tensor((4,), cutlass.Float32)
             o.fill(0.0)
-            if cutlass.const_expr(self.cfg.fin_prefetch):
-                # every load of the token first (k <= 8 slots; slots >= k read slot k-1 and
-                # are unused), then the same chain out = out + w * d for live j in order
-                if n4 * 4 < N:
-                    dvs = cute.make_rmem_tensor((4, _MAX_K), cutlass.Float32)
-                    wvs = cute.make_rmem_tensor((_MAX_K,), cutlass.Float32)
-                    lvs = cute.make_rmem_tensor((_MAX_K,), cutlass.Int32)
-                    for jj in cutlass.range_constexpr(_MAX_K):
-                        if jj < K:
-                            ex = topk_ids[t, jj]
-                            lvs[jj] = cutlass.Int32((lo >= 0) & (lo < L) & (ex >= 0) & (ex < E))
-                            wvs[jj] = topk_w[t, jj]
-                            cute.copy(atom, wsv[(None, (t * K + jj, n4))], dvs[None, jj])
-                    for jj in cutlass.range_constexpr(_MAX_K):
-                        if jj < K:
-                            if lvs[jj] != 0:
-                                wv = wvs[jj]
-                                for e4 in cutlass.range_constexpr(4):
-                                    out = o[e4]
-                                    out = out + wv * dvs[e4, jj]
-                                    o[e4] = out
-                    cute.copy(atom, o, yv[(None, (t, n4))])
-            elif n4 * 4 < N:
+            if n4 * 4 < N:
                 for jj in cutlass.range(K):
                     ex = topk_ids[t, jj]
                     if (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E):

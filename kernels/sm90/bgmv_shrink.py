@@ -40,12 +40,6 @@ the group. Lane `lane` of the warp owning a row reads the vectors v = lane + 32 
 increasing i, with the same FMA expression and butterfly as run_items: bit-identical to the
 pair schedule. Dead pairs (skipped adapter / expert) are zeroed by a grid-stride pass; every
 pair in [0, P) is written (order is not used in bin mode).
-v3 (bin_stream, default on; False = the v2 code path exactly): the bin's pair list grows to
-bin_list_cap entries before it is processed (flushed early only when the next scan round might
-not fit); then ALL its groups stream through ONE continuous cp.async ring (bin_stream_groups:
-flat stage index gi * n_st + hs, one commit group per stage, S-1 stages ahead), so the next
-group's chunks load while the current group finishes: no drain / refill between groups. Per
-pair the FMA chain, lane mapping and butterfly are those of bin_group (bit-identical).
 """
 from __future__ import annotations
 
@@ -68,13 +62,7 @@ _SMEM_LIMIT = 227 * 1024
 def _bin_smem_bytes(c) -> int:
     nt = 32 * c.bin_warps
     ring = c.bin_stages * (c.bin_warps * c.bin_rows_per_warp + c.bin_group) * c.bin_chunk_h * 2
-    return ring + 4 * _bin_cap(c) + 4 * c.bin_scan_unroll * c.bin_warps + 1024
-
-
-def _bin_cap(c) -> int:
-    """pair-list capacity (entries) of a bin CTA"""
-    base = 32 * c.bin_warps * c.bin_scan_unroll + c.bin_group
-    return max(base, c.bin_list_cap) if c.bin_stream else base
+    return ring + 4 * (nt * c.bin_scan_unroll + c.bin_group) + 4 * c.bin_scan_unroll * c.bin_warps + 1024
 
 
 @dataclass(frozen=True)
@@ -105,11 +93,6 @@ class BgmvShrinkSm90Config:
     bin_stages: int = 4            # cp.async ring depth
     bin_scan_unroll: int = 8       # pair-table entries per thread per scan round
     bin_ctas_per_sm: int = 2
-    # ---- v3: False restores the v2 code path exactly
-    bin_stream: bool = True        # collect up to bin_list_cap pairs, then stream ALL their
-                                   # groups through one continuous cp.async ring (no drain /
-                                   # refill between groups)
-    bin_list_cap: int = 4096       # pair-list entries (smem) before a forced flush
 
 
 class BgmvShrinkSm90:
@@ -146,8 +129,6 @@ class BgmvShrinkSm90:
         if (c.bin_warps * c.bin_rows_per_warp * cpr) % nt:
             return False
         if not (1 <= c.bin_scan_unroll <= 32 and c.bin_min_pairs >= 1 and c.bin_ctas_per_sm >= 1):
-            return False
-        if c.bin_list_cap < 1:
             return False
         return _bin_smem_bytes(c) <= _SMEM_LIMIT
 
@@ -331,7 +312,7 @@ class BgmvShrinkSm90:
         HC, S, SU = cfg.bin_chunk_h, cfg.bin_stages, cfg.bin_scan_unroll
         NT = 32 * BW
         RB = BW * RW
-        CAP = _bin_cap(cfg)
+        CAP = NT * SU + G
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
@@ -405,17 +386,9 @@ class BgmvShrinkSm90:
                 cute.arch.sync_threads()
                 # ---- full groups now; the remainder (< G) waits for the next round
                 ng = nl // G
-                if cutlass.const_expr(cfg.bin_stream):
-                    # flush only when the next round might not fit (CTA-uniform)
-                    if nl + NT * SU <= CAP:
-                        ng = 0
-                    if ng > 0:
-                        self.bin_stream_groups(x, a, s, sA, sX, slist, ng * G, l_b, e_b, r0,
-                                               K, R, H, tidx, warp, lane)
-                else:
-                    for gi in cutlass.range(ng):
-                        self.bin_group(x, a, s, sA, sX, slist, gi * G, G, l_b, e_b, r0, K, R,
-                                       H, tidx, warp, lane)
+                for gi in cutlass.range(ng):
+                    self.bin_group(x, a, s, sA, sX, slist, gi * G, G, l_b, e_b, r0, K, R, H,
+                                   tidx, warp, lane)
                 rem = nl - ng * G
                 if ng > 0:
                     mv = cutlass.Int32(0)
@@ -427,127 +400,9 @@ class BgmvShrinkSm90:
                     cute.arch.sync_threads()
                 nl = rem
             if nl > 0:
-                if cutlass.const_expr(cfg.bin_stream):
-                    self.bin_stream_groups(x, a, s, sA, sX, slist, nl, l_b, e_b, r0, K, R, H,
-                                           tidx, warp, lane)
-                else:
-                    self.bin_group(x, a, s, sA, sX, slist, 0, nl, l_b, e_b, r0, K, R, H,
-                                   tidx, warp, lane)
+                self.bin_group(x, a, s, sA, sX, slist, 0, nl, l_b, e_b, r0, K, R, H,
+                               tidx, warp, lane)
             cute.arch.sync_threads()
-
-    @cute.jit
-    def bin_stream_groups(self, x: cute.Tensor, a: cute.Tensor, s: cute.Tensor,
-                          sA: cute.Tensor, sX: cute.Tensor, slist: cute.Tensor,
-                          ntot: cutlass.Int32, l_b: cutlass.Int32, e_b: cutlass.Int32,
-                          r0: cutlass.Int32, K: cutlass.Int32, R: cutlass.Int32,
-                          H: cutlass.Int32, tidx: cutlass.Int32, warp: cutlass.Int32,
-                          lane: cutlass.Int32):
-        """s rows r0 .. r0+RB-1 of the ntot pairs slist[0 .. ntot), in groups of G (the last
-        one partial): the flat stage sequence (group gi, H-chunk hs), idx = gi * n_st + hs,
-        streams through ONE cp.async ring (exactly one commit group per stage, S-1 ahead),
-        so the next group's first chunks load while the current group finishes. Per pair:
-        the same lane -> vector mapping, FMA chain and butterfly as bin_group / run_items."""
-        cfg = self.cfg
-        BW, RW, G = cfg.bin_warps, cfg.bin_rows_per_warp, cfg.bin_group
-        HC, S = cfg.bin_chunk_h, cfg.bin_stages
-        cpr = HC // _VEC
-        nvec = H // _VEC
-        n_st = (H + HC - 1) // HC
-        ngr = (ntot + G - 1) // G
-        total = ngr * n_st
-
-        for st in cutlass.range_constexpr(S - 1):
-            if st < total:
-                self.bin_load_flat(x, a, sA, sX, slist, ntot, l_b, e_b, r0, R, K, nvec, n_st,
-                                   st, st, tidx)
-            cute.arch.cp_async_commit_group()
-
-        acc = cute.make_rmem_tensor((G * RW,), cutlass.Float32)
-        acc.fill(0.0)
-        for idx in cutlass.range(total):
-            cute.arch.cp_async_wait_group(S - 2)
-            cute.arch.sync_threads()
-            nxt = idx + (S - 1)
-            if nxt < total:
-                self.bin_load_flat(x, a, sA, sX, slist, ntot, l_b, e_b, r0, R, K, nvec, n_st,
-                                   nxt, nxt % S, tidx)
-            cute.arch.cp_async_commit_group()
-            gi = idx // n_st
-            hs = idx - gi * n_st
-            off = gi * G
-            n = cutlass.min(ntot - off, G)
-            slot = idx % S
-            for ii in cutlass.range_constexpr(HC // 256):
-                cl = lane + 32 * ii
-                v = hs * cpr + cl                # = lane + 32 * i, i increasing: as run_items
-                if v < nvec:
-                    as_ = cute.make_rmem_tensor((_VEC, RW), cutlass.Float32)
-                    for i in cutlass.range_constexpr(RW):
-                        va = cute.local_tile(sA[warp * RW + i, None, slot], (_VEC,), (cl,))
-                        as_[None, i].store(va.load().to(cutlass.Float32))
-                    for g in cutlass.range_constexpr(G):
-                        if g < n:
-                            xs = cute.make_rmem_tensor((_VEC,), cutlass.Float32)
-                            vx = cute.local_tile(sX[g, None, slot], (_VEC,), (cl,))
-                            xs.store(vx.load().to(cutlass.Float32))
-                            for i in cutlass.range_constexpr(RW):
-                                c = acc[g * RW + i]
-                                for e8 in cutlass.range_constexpr(_VEC):
-                                    c = c + xs[e8] * as_[e8, i]
-                                acc[g * RW + i] = c
-            if hs == n_st - 1:
-                # group gi complete: fixed butterfly, lane 0 stores, fresh accumulators
-                for g in cutlass.range_constexpr(G):
-                    if g < n:
-                        pg = slist[off + g]
-                        for i in cutlass.range_constexpr(RW):
-                            c = acc[g * RW + i]
-                            for sh in cutlass.range_constexpr(5):
-                                c = c + cute.arch.shuffle_sync_bfly(c, offset=16 >> sh)
-                            r = r0 + warp * RW + i
-                            if (lane == 0) & (r < R):
-                                s[pg, r] = c.to(self.dtype)
-                acc.fill(0.0)
-        # every warp is out of the ring (and done with slist) before it is refilled
-        cute.arch.sync_threads()
-
-    @cute.jit
-    def bin_load_flat(self, x: cute.Tensor, a: cute.Tensor, sA: cute.Tensor, sX: cute.Tensor,
-                      slist: cute.Tensor, ntot: cutlass.Int32, l_b: cutlass.Int32,
-                      e_b: cutlass.Int32, r0: cutlass.Int32, R: cutlass.Int32,
-                      K: cutlass.Int32, nvec: cutlass.Int32, n_st: cutlass.Int32,
-                      idx: cutlass.Int32, slot: cutlass.Int32, tidx: cutlass.Int32):
-        """cp.async flat stage idx = (group gi, H-chunk hs): chunk hs of A[l_b, e_b, r0:r0+RB, :]
-        and of the x rows of group gi's pairs into ring slot `slot` (as bin_load_stage)."""
-        cfg = self.cfg
-        BW, RW, G, HC = cfg.bin_warps, cfg.bin_rows_per_warp, cfg.bin_group, cfg.bin_chunk_h
-        NT = 32 * BW
-        RB = BW * RW
-        cpr = HC // _VEC
-        gi = idx // n_st
-        hs = idx - gi * n_st
-        off = gi * G
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                   self.dtype, num_bits_per_copy=128)
-        for ps in cutlass.range_constexpr(RB * cpr // NT):
-            v = ps * NT + tidx
-            row = v // cpr
-            ch = v - row * cpr
-            gch = hs * cpr + ch
-            if (gch < nvec) & (r0 + row < R):
-                src = cute.local_tile(a[l_b, e_b, r0 + row, None], (_VEC,), (gch,))
-                dst = cute.local_tile(sA[row, None, slot], (_VEC,), (ch,))
-                cute.copy(atom, src, dst)
-        for ps in cutlass.range_constexpr((G * cpr + NT - 1) // NT):
-            v = ps * NT + tidx
-            m = v // cpr
-            ch = v - m * cpr
-            gch = hs * cpr + ch
-            if (m < G) & (off + m < ntot) & (gch < nvec):
-                tok = slist[off + m] // K
-                src = cute.local_tile(x[tok, None], (_VEC,), (gch,))
-                dst = cute.local_tile(sX[m, None, slot], (_VEC,), (ch,))
-                cute.copy(atom, src, dst)
 
     @cute.jit
     def bin_group(self, x: cute.Tensor, a: cute.Tensor, s: cute.Tensor, sA: cute.Tensor,
