@@ -226,6 +226,7 @@ class KernelFunction:
     def _go(self, ptrs, stream_h, ret, device, stream):
         import torch
         stream_h.value = stream if stream is not None else torch.cuda.current_stream(device).cuda_stream
+        ret.value = 0
         if device.index is not None and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
                 err = self._run(self._fn, ptrs, len(ptrs))
@@ -258,7 +259,8 @@ class KernelFunction:
 
 
 class BoundCall:
-    """A launch with fixed arguments (the tensors are kept alive here)."""
+    """A launch with fixed arguments (the tensors are kept alive here). One launch at a time
+    per BoundCall: the stream and return slots are shared between its launches."""
 
     def __init__(self, fn: KernelFunction, args, ptrs, stream_h, ret, keep, device):
         self.fn, self.args, self.device = fn, args, device

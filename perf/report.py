@@ -93,7 +93,6 @@ def attn_res_table(doc: dict) -> str:
 
 
 def bgmv_table(doc: dict) -> str:
-    designs = doc.get("designs", [])
     ceil = doc["ceilings"]["copy_gbps"]
     cols = sorted({k for c in doc["cases"] for k in c["timings_us"]},
                   key=lambda k: (not k.startswith("cutekern"), k))

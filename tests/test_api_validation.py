@@ -125,6 +125,27 @@ def test_runtime_validation_names_argument():
     assert dims[1] == ([3, 13, 16], [208, 16, 1])
 
 
+def test_runtime_validates_scalar_arguments():
+    """By-value scalars (AttnRes' num_blocks, eps, ...) are type- and range-checked by name."""
+    from cutekern.abi import attn_res_abi
+    meta = {"op": "attn_res", "design": "sm90", "arch": "sm_90a",
+            "abi": [x.to_json() for x in attn_res_abi("bfloat16")]}
+    bf = torch.bfloat16
+    t2, t3, t1 = torch.randn(4, 64).to(bf), torch.randn(4, 2, 64).to(bf), torch.randn(64).to(bf)
+    tensors = [t2, t2, t3, t1, t1, t1, t2]
+    good = tensors + [2, -1, 1, 1, 1e-5, 1e-5]
+    dims, _ = validate_args(meta, good, require_cuda=False)
+    assert dims[7:] == [None] * 6
+    with pytest.raises(TypeError, match="argument 'num_blocks' must be a Python int"):
+        validate_args(meta, tensors + [2.0, -1, 1, 1, 1e-5, 1e-5], require_cuda=False)
+    with pytest.raises(TypeError, match="argument 'has_delta' must be a Python int"):
+        validate_args(meta, tensors + [2, -1, True, 1, 1e-5, 1e-5], require_cuda=False)
+    with pytest.raises(ValueError, match="argument 'write_idx' = 4294967296 does not fit in int32"):
+        validate_args(meta, tensors + [2, 2**32, 1, 1, 1e-5, 1e-5], require_cuda=False)
+    with pytest.raises(TypeError, match="argument 'eps' must be a Python float"):
+        validate_args(meta, tensors + [2, -1, 1, 1, "1e-5", 1e-5], require_cuda=False)
+
+
 def test_custom_ops_have_fake_implementations():
     """torch.compile traces the ops with fake tensors: shapes/dtypes come out right."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -135,3 +156,18 @@ def test_custom_ops_have_fake_implementations():
         out = torch.ops.cutekern.lce(wc, wu, ec, eu, c2u, True)
         assert out.shape == (4, 5, 24) and out.dtype == F16
         torch.ops.cutekern.lce_out(wc, wu, ec, eu, c2u, torch.empty(4, 5, 24, dtype=F16), False)
+        # AttnRes (mutates in place, returns nothing) and the BGMV ops
+        bf = torch.bfloat16
+        p, b = torch.empty(3, 64, dtype=bf), torch.empty(3, 2, 64, dtype=bf)
+        w = torch.empty(64, dtype=bf)
+        assert torch.ops.cutekern.attn_res(p, p, b, w, w, None, torch.empty(3, 64, dtype=bf),
+                                           2, -1, 1e-5, 1e-5) is None
+        x, a = torch.empty(5, 32, dtype=bf), torch.empty(2, 4, 8, 32, dtype=bf)
+        ids, lora = torch.empty(5, 3, dtype=torch.int32), torch.empty(5, dtype=torch.int32)
+        s = torch.ops.cutekern.bgmv_moe_shrink(x, a, ids, lora, None)
+        assert s.shape == (15, 8) and s.dtype == bf
+        bb = torch.empty(2, 4, 48, 8, dtype=bf)
+        y = torch.ops.cutekern.bgmv_moe_expand(s, bb, ids, lora, torch.empty(5, 3), True)
+        assert y.shape == (5, 48) and y.dtype == torch.float32
+        yp = torch.ops.cutekern.bgmv_moe_expand(s, bb, ids, lora, None, False)
+        assert yp.shape == (15, 48) and yp.dtype == torch.float32

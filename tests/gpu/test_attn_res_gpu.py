@@ -130,7 +130,7 @@ def test_graph_capture_and_replay_with_new_contents(design):
     out = torch.full((m, h), float("nan"), dtype=BF16, device="cuda")
     runner = prepare_attn_res(prefix, d, blocks, nw, qw, onw, out, num_blocks=k, block_write_idx=w)
     runner.launch()  # warm-up outside the capture
-    keep = _warm_graph_pool()  # noqa: F841
+    _keep = _warm_graph_pool()  # noqa: F841
     before = torch.cuda.memory_allocated()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -171,3 +171,10 @@ def test_bad_inputs_name_the_argument():
         prepare_attn_res(prefix, d, blocks, nw, qw, onw, prefix, num_blocks=1)
     with pytest.raises(TypeError, match="'delta'"):
         prepare_attn_res(prefix, d.half(), blocks, nw, qw, onw, out, num_blocks=1)
+
+
+def test_zero_rows(design):
+    prefix, d, blocks, nw, qw, onw = make(0, 2, 1024, 0)
+    out = torch.empty_like(prefix)
+    prepare_attn_res(prefix, d, blocks, nw, qw, onw, out, num_blocks=2).launch()
+    assert attn_res(prefix, d, blocks, nw, qw, onw, num_blocks=1).shape == (0, 1024)

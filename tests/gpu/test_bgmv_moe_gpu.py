@@ -166,7 +166,7 @@ def test_graph_replay_with_new_contents(design, t):
     plan = prepare_bgmv_moe(x, a, b, ids, w, lora)
     plan.run()
     torch.cuda.synchronize()
-    keep = _warm_graph_pool()  # noqa: F841
+    _keep = _warm_graph_pool()  # noqa: F841
     before = torch.cuda.memory_allocated()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -231,3 +231,23 @@ def test_bad_inputs_name_the_argument():
         prepare_bgmv_moe(x, a, b, ids, w, lora, sorted_token_ids=torch.zeros(8, dtype=torch.int32, device="cuda"))
     with pytest.raises(TypeError, match="'lora_b'"):
         prepare_bgmv_moe(x, a, b.half(), ids, w, lora)
+
+
+@pytest.mark.parametrize("t", [5, 600])
+def test_out_of_range_ids_at_run_time_are_skipped(design, t):
+    """run() does not re-check indices (no host sync); ids that go out of range after
+    prepare (expert -1 or >= E, adapter >= L) make their pair contribute nothing."""
+    x, a, b, ids, w, lora = make(t, 4, 1024, 512, 16, 4, 16, torch.bfloat16, seed=12, none_frac=0.0)
+    plan = prepare_bgmv_moe(x, a, b, ids, w, lora)
+    ids[0, 1], ids[1, 0], lora[2] = -1, 16, 4
+    plan.run()
+    torch.cuda.synchronize()
+    assert not bgmv_live(ids, lora, 4, 16)[:3].all()
+    check_shrink(plan.shrink_out, x, a, ids, lora)
+    check_expand(plan.out, plan.shrink_out, b, ids, lora, w)
+
+
+def test_zero_tokens(design):
+    x, a, b, ids, w, lora = make(0, 2, 256, 256, 16, 2, 8, torch.bfloat16, seed=0)
+    plan = prepare_bgmv_moe(x, a, b, ids, w, lora)
+    assert plan.run().shape == (0, 256) and plan.shrink_out.shape == (0, 16)
