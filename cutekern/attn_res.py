@@ -133,15 +133,29 @@ def _row_split(m, design):
     return 1
 
 
+def choose_kernel(m, h, arch, design):
+    """(design, flags) of the kernel that serves M rows of hidden size H.
+
+    On sm_90a the cluster-split sm90 kernel serves small M; from M = 128 rows (up to the 8192
+    hidden tier, where it was measured) the Ada-design kernel, also built for sm_90a, is faster
+    on the H200 (perf/results/attn_res.json: M=256 22.4 vs 28.2 us, M=1024 61.0 vs 67.2 us,
+    equal from M=8192), so it serves those shapes unless $CUTEKERN_DESIGN forces a design."""
+    from .arch import DESIGNS_FOR_ARCH, ENV_DESIGN
+    tier = next(t for t in HIDDEN_TIERS if h <= t)
+    if (not os.environ.get(ENV_DESIGN) and design == "sm90" and "ada" in DESIGNS_FOR_ARCH[arch]
+            and m > _SPLIT_FOR_ROWS[-1][0] and tier == HIDDEN_TIERS[0]):
+        design = "ada"
+    # $CUTEKERN_ATTN_RES_SPLIT forces a split (tuning sweeps, perf/tune_memops.py)
+    split = int(os.environ.get("CUTEKERN_ATTN_RES_SPLIT", 0)) or _row_split(m, design)
+    return design, {"max_hidden": tier, "row_split": split}
+
+
 def _function(m, h, device):
     from .arch import target_arch, target_design
     from .dispatch import get_function
-    tier = next(t for t in HIDDEN_TIERS if h <= t)
-    # $CUTEKERN_ATTN_RES_SPLIT forces a split (tuning sweeps, perf/tune_memops.py)
-    split = int(os.environ.get("CUTEKERN_ATTN_RES_SPLIT", 0)) or \
-        _row_split(m, target_design(target_arch(device)))
-    return get_function("attn_res", {"dtype": "bfloat16"},
-                        {"max_hidden": tier, "row_split": split}, device)
+    arch = target_arch(device)
+    design, flags = choose_kernel(m, h, arch, target_design(arch))
+    return get_function("attn_res", {"dtype": "bfloat16"}, flags, device, design=design)
 
 
 def prepare_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, out, *,
