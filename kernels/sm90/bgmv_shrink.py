@@ -73,7 +73,10 @@ class BgmvShrinkSm90Config:
     unroll: 32-lane h-steps whose loads are issued together, batched shape.
     small_unroll: the same for the small shape (1 entry, 1 row per warp).
     batched_min_entries: Q (= len(order)) from which the batched shape is used.
-    num_sms, ctas_per_sm: persistent grid size = min(work items, num_sms * ctas_per_sm)."""
+    num_sms, ctas_per_sm: grid size = min(work items, num_sms * ctas_per_sm). The default
+    cap is far above any work-item count, i.e. one CTA per work item: the hardware block
+    scheduler then balances bins of very uneven size (H200, T=256..2048: 11-14% faster than a
+    persistent grid of num_sms=132; perf/results/tune_memops_h200_grid.json)."""
 
     warps: int = 4
     group: int = 4
@@ -81,7 +84,7 @@ class BgmvShrinkSm90Config:
     unroll: int = 2
     small_unroll: int = 8
     batched_min_entries: int = 512
-    num_sms: int = 132
+    num_sms: int = 65536
     ctas_per_sm: int = 3
     # ---- v2 bin mode (large T; see the module docstring)
     bin_mode: bool = True          # False: always the v1 pair schedule
