@@ -54,20 +54,20 @@ class StreamArg:
         return {"kind": "stream", "name": self.name}
 
 
-def lce_gemm_abi(ab_dtype: str, c_dtype: str) -> tuple:
+def lce_gemm_abi(ab: str, c: str) -> tuple:
     """ABI of the batched broadcast GEMM behind IKBO linear compression.
 
     c[l, m, n] = sum_k a[m, k] * b[l, k, n]  (+ d[idx[l], m, n] when the variant has an addend)
-      a   (M, Ka)    ab_dtype   shared weight; Ka >= K, columns >= K are zero
-      b   (L, K, N)  ab_dtype   per-batch embeddings, N contiguous
-      c   (L, M, N)  c_dtype    output, N contiguous
+      a   (M, Ka)    ab         shared weight; Ka >= K, columns >= K are zero
+      b   (L, K, N)  ab         per-batch embeddings, N contiguous
+      c   (L, M, N)  c          output, N contiguous
       d   (U, M, N)  float32    per-user partial result (ignored without addend)
       idx (L,)       int32      batch -> user row of d (ignored without addend)
     """
     return (
-        TensorArg("a", ab_dtype, 2, align=8),
-        TensorArg("b", ab_dtype, 3, align=8),
-        TensorArg("c", c_dtype, 3, align=16 // DTYPE_BYTES[c_dtype]),
+        TensorArg("a", ab, 2, align=8),
+        TensorArg("b", ab, 3, align=8),
+        TensorArg("c", c, 3, align=16 // DTYPE_BYTES[c]),
         TensorArg("d", "float32", 3, align=4),
         TensorArg("idx", "int32", 1, align=1),
         StreamArg(),

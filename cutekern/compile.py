@@ -26,8 +26,9 @@ from .registry import OPS, KernelKey, abi_for
 
 _PKG_ROOT = Path(__file__).resolve().parent
 _REPO_ROOT = _PKG_ROOT.parent
-# files whose text shapes generated code besides the kernel module itself
-_COMMON_SOURCES = ("abi.py", "_fake.py", "layout.py", "compile.py")
+# files whose text shapes generated code besides the kernel module itself (registry.py: the
+# constructor arguments each op passes its kernel class)
+_COMMON_SOURCES = ("abi.py", "_fake.py", "layout.py", "compile.py", "registry.py")
 
 
 def cache_dir() -> Path:
@@ -112,18 +113,7 @@ def instantiate(key: KernelKey):
     cfg = getattr(mod, impl.config_class)(**dict(key.config))
     dts = {r: dsl_dtype(v) for r, v in key.dtypes}
     kcls = getattr(mod, impl.kernel_class)
-    if key.op == "lce_gemm":
-        return kcls(dts["ab"], dts["c"], dict(key.flags)["has_addend"], cfg), mod
-    if key.op == "ikbo_attn":
-        return kcls(dts["dtype"], dict(key.flags)["head_dim"], cfg), mod
-    if key.op == "attn_res":
-        fl = dict(key.flags)
-        return kcls(dts["dtype"], fl["max_hidden"], cfg, row_split=fl["row_split"]), mod
-    if key.op == "bgmv_shrink":
-        return kcls(dts["dtype"], cfg), mod
-    if key.op == "bgmv_expand":
-        return kcls(dts["dtype"], dict(key.flags)["finalize"], cfg), mod
-    raise KeyError(key.op)
+    return OPS[key.op].make(kcls, dts, dict(key.flags), cfg), mod
 
 
 def _compile_into(key: KernelKey, out: Path) -> dict:

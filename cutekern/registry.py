@@ -53,14 +53,24 @@ class DesignImpl:
 @dataclass(frozen=True)
 class OpSpec:
     name: str
-    abi: object  # callable(**dtypes) -> tuple of ABI args
+    abi: object  # callable(**{dtype role: dtype name}) -> tuple of ABI args
     designs: dict  # design -> DesignImpl
     variants: tuple  # ((dtypes tuple, flags tuple), ...)
+    make: object  # callable(kernel_class, dsl dtypes {role: type}, flags {name: value}, config)
     doc: str = ""
     design_variants: tuple = ()  # ((design, variants), ...): overrides ``variants`` there
 
     def variants_for(self, design: str) -> tuple:
         return dict(self.design_variants).get(design, self.variants)
+
+
+_DESIGN_SUFFIX = {"sm90": "Sm90", "ada": "Ada", "sm100": "Sm100"}
+
+
+def _impls(module: str, kernel_stem: str, config_stem: str) -> dict:
+    """kernels/<design>/<module>.py: class <kernel_stem><Design>, config <config_stem><Design>Config."""
+    return {d: DesignImpl(f"kernels.{d}.{module}", f"{kernel_stem}{sfx}", f"{config_stem}{sfx}Config")
+            for d, sfx in _DESIGN_SUFFIX.items()}
 
 
 def _lce_variants():
@@ -96,58 +106,43 @@ def _bgmv_expand_variants():
 OPS: dict = {
     "lce_gemm": OpSpec(
         name="lce_gemm",
-        abi=lambda ab, c: _abi.lce_gemm_abi(ab, c),
-        designs={
-            "sm90": DesignImpl("kernels.sm90.lce", "LceGemmSm90", "LceSm90Config"),
-            "ada": DesignImpl("kernels.ada.lce", "LceGemmAda", "LceAdaConfig"),
-            "sm100": DesignImpl("kernels.sm100.lce", "LceGemmSm100", "LceSm100Config"),
-        },
+        abi=_abi.lce_gemm_abi,
+        designs=_impls("lce", "LceGemm", "Lce"),
         variants=_lce_variants(),
+        make=lambda k, dt, fl, cfg: k(dt["ab"], dt["c"], fl["has_addend"], cfg),
         doc="IKBO linear compression: batched GEMM with stride-0 weight and gathered addend",
     ),
     "ikbo_attn": OpSpec(
         name="ikbo_attn",
-        abi=lambda dtype: _abi.ikbo_attention_abi(dtype),
-        designs={
-            "sm90": DesignImpl("kernels.sm90.ikbo_attn", "IkboAttnSm90", "IkboAttnSm90Config"),
-            "ada": DesignImpl("kernels.ada.ikbo_attn", "IkboAttnAda", "IkboAttnAdaConfig"),
-            "sm100": DesignImpl("kernels.sm100.ikbo_attn", "IkboAttnSm100", "IkboAttnSm100Config"),
-        },
+        abi=_abi.ikbo_attention_abi,
+        designs=_impls("ikbo_attn", "IkboAttn", "IkboAttn"),
         variants=_attn_variants(),
+        make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["head_dim"], cfg),
         doc="IKBO attention: candidate queries over the unbroadcast user K/V",
     ),
     "attn_res": OpSpec(
         name="attn_res",
-        abi=lambda dtype: _abi.attn_res_abi(dtype),
-        designs={
-            "sm90": DesignImpl("kernels.sm90.attn_res", "AttnResSm90", "AttnResSm90Config"),
-            "ada": DesignImpl("kernels.ada.attn_res", "AttnResAda", "AttnResAdaConfig"),
-            "sm100": DesignImpl("kernels.sm100.attn_res", "AttnResSm100", "AttnResSm100Config"),
-        },
+        abi=_abi.attn_res_abi,
+        designs=_impls("attn_res", "AttnRes", "AttnRes"),
         variants=_attn_res_variants(),
         design_variants=(("sm90", _attn_res_variants((1, 2, 4, 8))),),
+        make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["max_hidden"], cfg, row_split=fl["row_split"]),
         doc="Kimi attention residuals: softmax over depth of block snapshots, fused serving form",
     ),
     "bgmv_shrink": OpSpec(
         name="bgmv_shrink",
-        abi=lambda dtype: _abi.bgmv_shrink_abi(dtype),
-        designs={
-            "sm90": DesignImpl("kernels.sm90.bgmv_shrink", "BgmvShrinkSm90", "BgmvShrinkSm90Config"),
-            "ada": DesignImpl("kernels.ada.bgmv_shrink", "BgmvShrinkAda", "BgmvShrinkAdaConfig"),
-            "sm100": DesignImpl("kernels.sm100.bgmv_shrink", "BgmvShrinkSm100", "BgmvShrinkSm100Config"),
-        },
+        abi=_abi.bgmv_shrink_abi,
+        designs=_impls("bgmv_shrink", "BgmvShrink", "BgmvShrink"),
         variants=_bgmv_shrink_variants(),
+        make=lambda k, dt, fl, cfg: k(dt["dtype"], cfg),
         doc="MoE-LoRA shrink: s[p] = x[t] @ A[lora, expert]^T per (token, expert) pair",
     ),
     "bgmv_expand": OpSpec(
         name="bgmv_expand",
-        abi=lambda dtype: _abi.bgmv_expand_abi(dtype),
-        designs={
-            "sm90": DesignImpl("kernels.sm90.bgmv_expand", "BgmvExpandSm90", "BgmvExpandSm90Config"),
-            "ada": DesignImpl("kernels.ada.bgmv_expand", "BgmvExpandAda", "BgmvExpandAdaConfig"),
-            "sm100": DesignImpl("kernels.sm100.bgmv_expand", "BgmvExpandSm100", "BgmvExpandSm100Config"),
-        },
+        abi=_abi.bgmv_expand_abi,
+        designs=_impls("bgmv_expand", "BgmvExpand", "BgmvExpand"),
         variants=_bgmv_expand_variants(),
+        make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["finalize"], cfg),
         doc="MoE-LoRA expand: fixed-order weighted sum over a token's pairs, one owner per output",
     ),
 }
