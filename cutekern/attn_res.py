@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from ._checks import check_rows16
+
 MAX_SLOTS = 8
 HIDDEN_TIERS = (8192, 16384)  # compiled variants: on-chip row buffers sized for the tier
 
@@ -30,15 +32,8 @@ def _rows_ok(name, t, shape):
         raise TypeError(f"attn_res: argument '{name}' must be bfloat16, got {t.dtype}")
     if tuple(t.shape) != tuple(shape):
         raise _err(name, f"must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.numel() == 0:
-        return
-    if t.stride(-1) != 1:
-        raise _err(name, "must be contiguous in its last dim (H)")
-    for d in range(t.dim() - 1):
-        if t.shape[d] > 1 and t.stride(d) % 8 != 0:
-            raise _err(name, f"stride {t.stride(d)} of dim {d} must be a multiple of 8 elements")
-    if not torch.compiler.is_compiling() and t.data_ptr() % 16 != 0:
-        raise _err(name, "data pointer must be 16-byte aligned")
+    if t.numel():
+        check_rows16(_err, name, t, "H")
 
 
 def _span(t):

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from ._checks import check_rows16
 from .reference import pad_k
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -40,14 +41,7 @@ def _check_rows16(name, t):
     """Embedding tensors go to the kernel as they are: N contiguous, 16-byte aligned rows."""
     if t.shape[-1] % 8 != 0:
         raise _err(name, f"last dim N={t.shape[-1]} must be a multiple of 8 (16-byte rows)")
-    if t.stride(-1) != 1:
-        raise _err(name, "must be contiguous in its last dim (N)")
-    for d in range(t.dim() - 1):
-        if t.shape[d] > 1 and t.stride(d) % 8 != 0:
-            raise _err(name, f"stride {t.stride(d)} of dim {d} must be a multiple of 8 elements")
-    # fake tensors under torch.compile have no storage; the op re-checks at run time
-    if not torch.compiler.is_compiling() and t.data_ptr() % 16 != 0:
-        raise _err(name, "data pointer must be 16-byte aligned")
+    check_rows16(_err, name, t, "N")
 
 
 class LinearCompression:
@@ -254,13 +248,7 @@ def _validate_attention(q, k, v, cand_to_user, kv_len):
         if not isinstance(kv_len, torch.Tensor) or kv_len.dtype != torch.int32 or tuple(kv_len.shape) != (u,):
             raise _attn_err("kv_len", f"must be an int32 tensor of shape ({u},)")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise _attn_err(name, "must be contiguous in its last dim (D)")
-        for i in range(t.dim() - 1):
-            if t.shape[i] > 1 and t.stride(i) % 8 != 0:
-                raise _attn_err(name, f"stride {t.stride(i)} of dim {i} must be a multiple of 8 elements")
-        if not torch.compiler.is_compiling() and t.numel() and t.data_ptr() % 16 != 0:
-            raise _attn_err(name, "data pointer must be 16-byte aligned")
+        check_rows16(_attn_err, name, t, "D")
     if n_seed > 1 and b > 1 and q.stride(0) != n_seed * q.stride(1):
         raise _attn_err("q", "must have its (candidate, seed) dims mergeable (stride(0) == n_seed * stride(1))")
     dev = q.device
