@@ -164,6 +164,25 @@ def _workspace(expand_fn, p, n, finalize, y, device):
     return torch.empty(rows, n, dtype=torch.float32, device=device)
 
 
+def _check_order(op, sorted_token_ids, dev):
+    if sorted_token_ids is not None:
+        _tensor(op, "sorted_token_ids", sorted_token_ids, torch.int32, 1)
+        _contig(op, "sorted_token_ids", sorted_token_ids, 4)
+        if sorted_token_ids.device != dev:
+            raise _err(op, "sorted_token_ids", f"is on {sorted_token_ids.device}, x on {dev}")
+
+
+def _order(sorted_token_ids, p, dev):
+    """The shrink's processing order: the caller's expert-sorted pairs, or token order."""
+    return sorted_token_ids if sorted_token_ids is not None else \
+        torch.arange(p, dtype=torch.int32, device=dev)
+
+
+def _expand_weights(topk_weights, finalize, t, k, dev):
+    # the per-pair expand never reads the routing weights; it still takes a [T, k] fp32 tensor
+    return topk_weights if finalize else torch.zeros(t, k, dtype=torch.float32, device=dev)
+
+
 def _functions(dtype, finalize, device):
     from .dispatch import get_function
     dt = {"dtype": _DTYPES[dtype]}
@@ -216,11 +235,7 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
     k = _check_routing(op, topk_ids, topk_weights, lora_indices, t, dev, need_weights=finalize)
     n = _check_b(op, lora_b, x.dtype, num_l, num_e, r, dev)
     p = t * k
-    if sorted_token_ids is not None:
-        _tensor(op, "sorted_token_ids", sorted_token_ids, torch.int32, 1)
-        _contig(op, "sorted_token_ids", sorted_token_ids, 4)
-        if sorted_token_ids.device != dev:
-            raise _err(op, "sorted_token_ids", f"is on {sorted_token_ids.device}, x on {dev}")
+    _check_order(op, sorted_token_ids, dev)
     _check_out(op, "shrink_out", shrink_out, (p, r), x.dtype, dev)
     _check_out(op, "out", out, (t, n) if finalize else (p, n), torch.float32, dev)
     _require_cuda(op, "x", x)
@@ -233,10 +248,9 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
             "elem_bytes": x.element_size(), "finalize": finalize}
     if t == 0:
         return BgmvMoePlan(None, None, s, y, meta)
-    order = sorted_token_ids if sorted_token_ids is not None else \
-        torch.arange(p, dtype=torch.int32, device=dev)
+    order = _order(sorted_token_ids, p, dev)
     shrink_fn, expand_fn = _functions(x.dtype, finalize, dev)
-    w = topk_weights if finalize else torch.zeros(t, k, dtype=torch.float32, device=dev)
+    w = _expand_weights(topk_weights, finalize, t, k, dev)
     ws = _workspace(expand_fn, p, n, finalize, y, dev)
     sc = shrink_fn.bind(x, lora_a, topk_ids, lora_indices, order, s)
     ec = expand_fn.bind(s, lora_b, topk_ids, lora_indices, w, y, ws)
@@ -259,9 +273,7 @@ def _shrink_impl(x, lora_a, topk_ids, lora_indices, sorted_token_ids, out, check
     t, h, num_l, num_e, r = _check_x_a(op, x, lora_a)
     k = _check_routing(op, topk_ids, None, lora_indices, t, x.device, need_weights=False)
     p = t * k
-    if sorted_token_ids is not None:
-        _tensor(op, "sorted_token_ids", sorted_token_ids, torch.int32, 1)
-        _contig(op, "sorted_token_ids", sorted_token_ids, 4)
+    _check_order(op, sorted_token_ids, x.device)
     _check_out(op, "out", out, (p, r), x.dtype, x.device)
     _require_cuda(op, "x", x)
     if check_indices:
@@ -271,9 +283,7 @@ def _shrink_impl(x, lora_a, topk_ids, lora_indices, sorted_token_ids, out, check
         return s
     from .dispatch import get_function
     fn = get_function("bgmv_shrink", {"dtype": _DTYPES[x.dtype]}, {}, x.device)
-    order = sorted_token_ids if sorted_token_ids is not None else \
-        torch.arange(p, dtype=torch.int32, device=x.device)
-    fn(x, lora_a, topk_ids, lora_indices, order, s)
+    fn(x, lora_a, topk_ids, lora_indices, _order(sorted_token_ids, p, x.device), s)
     return s
 
 
@@ -313,8 +323,8 @@ def _expand_impl(s, lora_b, topk_ids, lora_indices, topk_weights, finalize, out,
         return y
     from .dispatch import get_function
     fn = get_function("bgmv_expand", {"dtype": _DTYPES[s.dtype]}, {"finalize": bool(finalize)}, s.device)
-    w = topk_weights if finalize else torch.zeros(t, k, dtype=torch.float32, device=s.device)
-    fn(s, lora_b, topk_ids, lora_indices, w, y, _workspace(fn, t * k, n, finalize, y, s.device))
+    fn(s, lora_b, topk_ids, lora_indices, _expand_weights(topk_weights, finalize, t, k, s.device),
+       y, _workspace(fn, t * k, n, finalize, y, s.device))
     return y
 
 
