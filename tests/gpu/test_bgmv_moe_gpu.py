@@ -149,24 +149,14 @@ def test_batch_invariance(design, finalize):
             assert torch.equal(sub.out.view(len(sel), k, -1), full.out.view(t, k, -1)[sel])
 
 
-def _warm_graph_pool():
-    """torch allocates a small block on a process's first graph capture; do that first."""
-    x = torch.zeros(8, device="cuda")
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        x.add_(1)
-    torch.cuda.synchronize()
-    return g  # keep it alive: torch's per-capture generator state lives as long as a graph
-
-
 @pytest.mark.parametrize("t", [32, 700])
-def test_graph_replay_with_new_contents(design, t):
+def test_graph_replay_with_new_contents(design, t, warm_graph_pool):
     k, h, n, r, num_l, num_e = 6, 2688, 2688, 32, 8, 128
     x, a, b, ids, w, lora = make(t, k, h, n, r, num_l, num_e, torch.bfloat16, seed=7)
     plan = prepare_bgmv_moe(x, a, b, ids, w, lora)
     plan.run()
     torch.cuda.synchronize()
-    _keep = _warm_graph_pool()  # noqa: F841
+    warm_graph_pool()
     before = torch.cuda.memory_allocated()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
