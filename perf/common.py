@@ -13,12 +13,23 @@ import torch
 _FLUSH = None
 
 
+# How flush_l2 evicts the L2: "write" (zero a 256 MB buffer, as triton's do_bench does) leaves
+# ~50 MB of dirty flush lines in the L2 that the timed kernel's loads must write back to DRAM;
+# "read" (reduce over the buffer) leaves clean lines. perf/flush_study.py measures both.
+FLUSH_MODE = os.environ.get("CUTEKERN_BENCH_FLUSH", "write")
+
+
 def flush_l2():
-    """Overwrite a buffer larger than the L2 (60 MB on an H200) so every run starts cold."""
+    """Evict the L2 (60 MB on an H200) with a 256 MB buffer so every run starts cold."""
     global _FLUSH
     if _FLUSH is None:
-        _FLUSH = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    _FLUSH.zero_()
+        _FLUSH = torch.ones(256 * 2**20, dtype=torch.uint8, device="cuda")
+    if FLUSH_MODE == "read":
+        _FLUSH.view(torch.int32).max()
+    elif FLUSH_MODE == "write":
+        _FLUSH.zero_()
+    elif FLUSH_MODE != "none":
+        raise ValueError(f"CUTEKERN_BENCH_FLUSH={FLUSH_MODE!r}: expected write, read or none")
 
 
 def time_ms(fn, reps=20, warmup=3) -> float:

@@ -69,13 +69,15 @@ def _bin_smem_bytes(c) -> int:
 
 @dataclass(frozen=True)
 class BgmvExpandSm90Config:
-    """cols_per_lane: output columns per lane (chunk = 32 * cols_per_lane columns).
+    """cols_per_lane: output columns per lane (chunk = 32 * cols_per_lane columns). 2 doubles
+        the b bytes in flight per warp (H200, T=32: 44 -> 37 us; 3 and 4 cost occupancy;
+        perf/results/tune_memops_h200_small.json).
     num_sms, ctas_per_sm: grid size = min(work items, num_sms * ctas_per_sm). The default
     cap is far above any work-item count, i.e. one CTA per work item: the hardware block
     scheduler then balances bins of very uneven size (H200, T=256..2048: 11-14% faster than a
     persistent grid of num_sms=132; perf/results/tune_memops_h200_grid.json)."""
 
-    cols_per_lane: int = 1
+    cols_per_lane: int = 2
     num_sms: int = 65536
     ctas_per_sm: int = 2
     # ---- v2 bin mode (large T; see the module docstring)

@@ -71,7 +71,9 @@ class BgmvShrinkSm90Config:
     group: entries per work item in the batched shape (fp32 accumulators = group * rows_per_warp).
     rows_per_warp: A rows per warp in the batched shape.
     unroll: 32-lane h-steps whose loads are issued together, batched shape.
-    small_unroll: the same for the small shape (1 entry, 1 row per warp).
+    small_unroll: the same for the small shape (1 entry, 1 row per warp). 12 covers a whole
+        H = 2688/3072 row in one round trip (H200, perf/results/tune_memops_h200_small.json:
+        T=32 50 -> 44 us with the small-only specialization, 8 -> 12).
     batched_min_entries: Q (= len(order)) from which the batched shape is used.
     num_sms, ctas_per_sm: grid size = min(work items, num_sms * ctas_per_sm). The default
     cap is far above any work-item count, i.e. one CTA per work item: the hardware block
@@ -82,7 +84,7 @@ class BgmvShrinkSm90Config:
     group: int = 4
     rows_per_warp: int = 2
     unroll: int = 2
-    small_unroll: int = 8
+    small_unroll: int = 12
     batched_min_entries: int = 512
     num_sms: int = 65536
     ctas_per_sm: int = 3
@@ -106,6 +108,11 @@ class BgmvShrinkSm90:
         self.cfg = config
         self.W = config.warps
         self.num_threads = 32 * config.warps
+        # With the bin schedule from P >= bin_min_pairs <= batched_min_entries, this kernel
+        # only runs small batches: the batched shape is not compiled in (its registers
+        # would set the small shape's occupancy). Both shapes give the same bits, so a
+        # padded `order` (Q >= batched_min_entries) just takes the small shape.
+        self.small_only = config.bin_mode and config.bin_min_pairs <= config.batched_min_entries
 
     @staticmethod
     def can_implement(dtype, config: BgmvShrinkSm90Config) -> bool:
@@ -148,7 +155,9 @@ class BgmvShrinkSm90:
         rows_big = self.W * cfg.rows_per_warp
         items_small = Q * ((R + rows_small - 1) // rows_small)
         items_big = ((Q + cfg.group - 1) // cfg.group) * ((R + rows_big - 1) // rows_big)
-        big = cutlass.Int32(Q >= cfg.batched_min_entries)
+        big = cutlass.Int32(0)
+        if cutlass.const_expr(not self.small_only):
+            big = cutlass.Int32(Q >= cfg.batched_min_entries)
         items = big * items_big + (1 - big) * items_small
         grid = cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm)
         grid = cutlass.max(grid, 1)
@@ -173,11 +182,14 @@ class BgmvShrinkSm90:
                lora: cute.Tensor, order: cute.Tensor, s: cute.Tensor):
         cfg = self.cfg
         Q = order.shape[0]
-        if Q >= cfg.batched_min_entries:
-            self.run_items(x, a, topk_ids, lora, order, s,
-                           cfg.group, cfg.rows_per_warp, cfg.unroll)
-        else:
+        if cutlass.const_expr(self.small_only):
             self.run_items(x, a, topk_ids, lora, order, s, 1, 1, cfg.small_unroll)
+        else:
+            if Q >= cfg.batched_min_entries:
+                self.run_items(x, a, topk_ids, lora, order, s,
+                               cfg.group, cfg.rows_per_warp, cfg.unroll)
+            else:
+                self.run_items(x, a, topk_ids, lora, order, s, 1, 1, cfg.small_unroll)
 
     @cute.jit
     def run_items(self, x: cute.Tensor, a: cute.Tensor, topk_ids: cute.Tensor,
