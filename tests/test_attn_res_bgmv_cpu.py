@@ -175,3 +175,14 @@ def test_attn_res_kernel_choice(monkeypatch):
     assert choose_kernel(1, 7168, "sm_100a", "sm100")[0] == "sm100"
     monkeypatch.setenv("CUTEKERN_DESIGN", "sm90")
     assert choose_kernel(1024, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 1})
+
+
+def test_bgmv_sm90_pair_kernel_shape_set():
+    """The sm90 pair shrink drops its batched shape only when the bin schedule takes every
+    batch that could select it (P >= bin_min_pairs whenever Q = P >= batched_min_entries)."""
+    import cutlass
+    from kernels.sm90.bgmv_shrink import BgmvShrinkSm90, BgmvShrinkSm90Config as C
+    bf = cutlass.BFloat16
+    assert BgmvShrinkSm90(bf).small_only
+    assert not BgmvShrinkSm90(bf, C(bin_mode=False)).small_only
+    assert not BgmvShrinkSm90(bf, C(bin_min_pairs=1024, batched_min_entries=512)).small_only

@@ -86,7 +86,11 @@ class AttnResSm90Config:
         schedule (one reduction per source).
     batched_min_free: row_split = 1: the batched schedule is used only when the ring has at
         least this many slots beyond one row's loads (prefetch of the next row while a row
-        is mixed); otherwise the online schedule streams through the ring."""
+        is mixed); otherwise the online schedule streams through the ring.
+    debug_timeline: diagnostics only, never exported by default: consumer thread 0 of the
+        CTA(s) of row 0 records clock64 at the phases of the batched schedule and writes the
+        cycle counts over the first 64 bytes of its segment of out[0]
+        (perf/timeline_attn_res.py reads them)."""
 
     consumer_warps: int = 8
     split_consumer_warps: int = 8
@@ -97,6 +101,7 @@ class AttnResSm90Config:
     ctas_per_sm: int = 1
     batched: bool = True
     batched_min_free: int = 2
+    debug_timeline: bool = False
 
 
 def _layout_numbers(max_hidden: int, cfg: AttnResSm90Config, row_split: int):
@@ -431,7 +436,8 @@ class AttnResSm90:
                       cid: Int32, ncl: Int32, rank: Int32, seg: Int32, cbase: Int32,
                       nchunk: Int32, n_st: Int32, w_idx: Int32, nsrc_b: Int32,
                       lg_mult: Float32, has_delta: Int32, has_out_norm: Int32,
-                      eps: Float32, out_eps: Float32, tidx: Int32, warp: Int32, lane: Int32):
+                      eps: Float32, out_eps: Float32, tidx: Int32, warp: Int32, lane: Int32,
+                      tl: cute.Tensor):
         """Batched schedule: per row, every load of the row is resident in the ring (the
         caller guarantees 1 + has_delta + nsrc_b <= n_st); one reduction (and, row_split > 1,
         one DSMEM exchange) for all scores, one for the output norm."""
@@ -473,6 +479,8 @@ class AttnResSm90:
             # ---- p = prefix (+ delta); both slots are released once p is in registers
             slot_p = slot
             cute.arch.mbarrier_wait(full + slot, phase)
+            if cutlass.const_expr(self.cfg.debug_timeline):
+                tl[2] = cute.arch.clock64()
             self._load_slot(ring, slot, seg, tidx, nchunk, cp)
             slot, phase = self._advance(slot, phase, n_st)
             slot_d = slot
@@ -511,6 +519,8 @@ class AttnResSm90:
                     a2, b2 = self._partials(cs, wq, tidx)
                     part[2 + 2 * j] = a2
                     part[3 + 2 * j] = b2
+            if cutlass.const_expr(self.cfg.debug_timeline):
+                tl[3] = cute.arch.clock64()
             # one batched butterfly (independent shuffles), one barrier
             for i in cutlass.range_constexpr(5):
                 for v in cutlass.range_constexpr(_NV):
@@ -519,6 +529,8 @@ class AttnResSm90:
                 for v in cutlass.range_constexpr(_NV):
                     red_s[(warp, v, par)] = part[v]
             cute.arch.barrier(barrier_id=1, number_of_threads=NT)
+            if cutlass.const_expr(self.cfg.debug_timeline):
+                tl[4] = cute.arch.clock64()
             if cutlass.const_expr(C == 1):
                 for v in cutlass.range_constexpr(_NV):
                     tot[v] = self._vsum(red_s[(None, v, par)])
@@ -535,6 +547,8 @@ class AttnResSm90:
                 for v in cutlass.range_constexpr(_NV):
                     tot[v] = self._vsum(xbuf_s[(None, v, par)])
 
+            if cutlass.const_expr(self.cfg.debug_timeline):
+                tl[5] = cute.arch.clock64()
             # ---- softmax over the sources (p's score raised by log2 of its multiplicity)
             tp = cute.math.rsqrt(tot[0] * inv_h + eps, fastmath=True) * tot[1] * _LOG2E + lg_mult
             mx = tp
@@ -565,6 +579,8 @@ class AttnResSm90:
                     if lane == 0:
                         cute.arch.mbarrier_arrive(empty + sj)
 
+            if cutlass.const_expr(self.cfg.debug_timeline):
+                tl[6] = cute.arch.clock64()
             # ---- output RMSNorm, store
             if has_out_norm != 0:
                 if cutlass.const_expr(CPT > 4):
@@ -595,9 +611,13 @@ class AttnResSm90:
             else:
                 for k in cutlass.range_constexpr(CPT):
                     cp[None, k].store(acc[None, k].load().to(self.dtype))
+            if cutlass.const_expr(self.cfg.debug_timeline):
+                tl[7] = cute.arch.clock64()
             self._store_row(
                 out.iterator + cute.assume(r64 * Int64(s_out) + cb64, divby=_CHUNK),
                 tidx, nchunk, cp)
+            if cutlass.const_expr(self.cfg.debug_timeline):
+                tl[8] = cute.arch.clock64()
             it = it + 1
 
     @cute.kernel
@@ -609,6 +629,10 @@ class AttnResSm90:
         NT = self.num_threads_c
         CPT = self.cpt
         C = self.row_split
+        tl = cute.make_rmem_tensor((16,), Int64)  # debug_timeline: clock64 marks
+        if cutlass.const_expr(self.cfg.debug_timeline):
+            tl.fill(0)
+            tl[0] = cute.arch.clock64()
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
@@ -671,14 +695,20 @@ class AttnResSm90:
             cute.make_layout((C, _NV, 2), stride=(1, C, _NV * C)))
         xbuf_n = storage.xbuf_n.get_tensor(cute.make_layout((C, 2), stride=(1, C)))
 
-        # thread t initializes mbarrier pair t (in parallel: shorter start-up latency)
-        if tidx < self.max_stages:
-            cute.arch.mbarrier_init(full + tidx, 1)
-            cute.arch.mbarrier_init(empty + tidx, NW)
-            if tidx < 4:
-                cute.arch.mbarrier_init(xbar + tidx, 1)
+        # lane 0 of every warp initializes every (NW + 1)-th used mbarrier pair. One thread
+        # per pair within a warp was ~3900 cycles (2 us) at M = 1: the init takes a uniform
+        # address, so the lanes of a warp run one after another (debug_timeline, H200).
+        if lane == 0:
+            for i in cutlass.range(warp, n_st, NW + 1):
+                cute.arch.mbarrier_init(full + i, 1)
+                cute.arch.mbarrier_init(empty + i, NW)
+            if warp == NW:
+                for i in cutlass.range_constexpr(4):
+                    cute.arch.mbarrier_init(xbar + i, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
+        if cutlass.const_expr(self.cfg.debug_timeline):
+            tl[1] = cute.arch.clock64()
         if cutlass.const_expr(C > 1):
             # peers store into this CTA's xbuf / xbar only after this cluster barrier
             cute.arch.cluster_arrive_relaxed()
@@ -736,8 +766,12 @@ class AttnResSm90:
                                          cute.make_layout(_CHUNK))
                     prod.store(a.load().to(Float32) * b.load().to(Float32))
                 wq_t[None, k].store(prod.load())
+            if cutlass.const_expr(self.cfg.debug_timeline):
+                tl[9] = cute.arch.clock64()
             if cutlass.const_expr(C > 1):
                 cute.arch.cluster_wait()
+            if cutlass.const_expr(self.cfg.debug_timeline):
+                tl[10] = cute.arch.clock64()
 
             cp = cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)  # p (bf16)
             cs = cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)  # delta / source / out_norm_w
@@ -751,13 +785,13 @@ class AttnResSm90:
                                    wq, cp, cs, acc, prefix, delta, blocks, out_norm_w, out,
                                    cid, ncl, rank, seg, cbase, nchunk, n_st, w_idx, nsrc_b,
                                    lg_mult, has_delta, has_out_norm, eps, out_eps,
-                                   tidx, warp, lane)
+                                   tidx, warp, lane, tl)
             elif use_batched != 0:
                 self._rows_batched(ring, full, empty, xbar, red_s, red_n, xbuf_s, xbuf_n,
                                    wq, cp, cs, acc, prefix, delta, blocks, out_norm_w, out,
                                    cid, ncl, rank, seg, cbase, nchunk, n_st, w_idx, nsrc_b,
                                    lg_mult, has_delta, has_out_norm, eps, out_eps,
-                                   tidx, warp, lane)
+                                   tidx, warp, lane, tl)
             else:
                 self._rows_online(ring, full, empty, red, wq, cp, cs, acc, prefix, blocks,
                                   out_norm_w, out, K, w_idx, lg_mult, has_delta,
@@ -769,6 +803,16 @@ class AttnResSm90:
             # execution order matters here: relaxed arrive (no MEMBAR.GPU on the exit path)
             cute.arch.cluster_arrive_relaxed()
             cute.arch.cluster_wait()
+        if cutlass.const_expr(self.cfg.debug_timeline):
+            # debug builds only: the marks (cycles since entry, this SM's clock) overwrite the
+            # first 64 bytes of this CTA's segment of out[0] (the cluster/CTA of row 0)
+            tl[11] = cute.arch.clock64()
+            cute.arch.barrier()
+            if (tidx == 0) & (cid == 0):
+                dst = cute.make_tensor(cute.recast_ptr(out.iterator + cute.assume(cb64, divby=_CHUNK),
+                                                       dtype=Int32), cute.make_layout(16))
+                for i in cutlass.range_constexpr(16):
+                    dst[i] = Int32(tl[i] - tl[0])
 
     @cute.jit
     def _rows_online(self, ring, full, empty, red, wq, cp, cs, acc, prefix: cute.Tensor,

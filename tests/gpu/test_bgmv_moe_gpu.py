@@ -117,6 +117,20 @@ def test_sorted_order_equals_token_order_bitwise(design, skew):
     check_expand(y1, s1, b, ids, lora, w)
 
 
+def test_padded_sorted_order_small_batch(design):
+    """Few pairs (pair schedule) but a long padded order (Q >= 512): the sm90 pair kernel is
+    compiled with its small shape only and must still cover every entry."""
+    x, a, b, ids, w, lora = make(40, 6, 2688, 2688, 32, 8, 128, torch.bfloat16, seed=11)
+    order = sorted_order(ids, block=64)
+    assert order.numel() >= 512 and 40 * 6 < 384
+    p1 = run_plan(x, a, b, ids, w, lora)
+    s1, y1 = p1.shrink_out.clone(), p1.out.clone()
+    p2 = run_plan(x, a, b, ids, w, lora, order=order)
+    assert torch.equal(p2.shrink_out, s1) and torch.equal(p2.out, y1)
+    check_shrink(s1, x, a, ids, lora)
+    check_expand(y1, s1, b, ids, lora, w)
+
+
 @pytest.mark.parametrize("t,skew", [(8, False), (512, False), (512, True), (2048, False)])
 def test_bitwise_deterministic_over_100_runs(design, t, skew):
     x, a, b, ids, w, lora = make(t, 6, 2688, 2688, 32, 8, 128, torch.bfloat16, seed=5, skew=skew)
