@@ -45,9 +45,11 @@ def dsl_version() -> str:
 @functools.lru_cache(maxsize=None)
 def source_hash(op: str, design: str) -> str:
     impl = OPS[op].designs[design]
-    spec = importlib.util.find_spec(impl.module)
+    origin = Path(importlib.util.find_spec(impl.module).origin)
+    # kernels/<design>/_*.py: device code shared by that design's kernels
+    helpers = sorted(p for p in origin.parent.glob("_*.py") if p.name != "__init__.py")
     h = hashlib.sha256()
-    for p in [Path(spec.origin)] + [_PKG_ROOT / f for f in _COMMON_SOURCES]:
+    for p in [origin] + helpers + [_PKG_ROOT / f for f in _COMMON_SOURCES]:
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]

@@ -78,6 +78,26 @@ def test_source_hash_covers_dsl_version_and_source(session_cache, tmp_path, monk
         ck.source_hash.cache_clear()
 
 
+def test_source_hash_covers_design_helpers():
+    """kernels/<design>/_*.py (device code shared by a design's kernels) is part of the
+    hash of exactly that design's ops."""
+    from cutekern import compile as ck
+    ck.source_hash.cache_clear()
+    before = {(op, d): ck.source_hash(op, d) for op, d in
+              (("bgmv_shrink", "sm90"), ("bgmv_expand", "sm90"), ("bgmv_shrink", "ada"))}
+    src = ck._REPO_ROOT / "kernels" / "sm90" / "_bin_scan.py"
+    text = src.read_text()
+    try:
+        src.write_text(text + "\n# edit\n")
+        ck.source_hash.cache_clear()
+        assert ck.source_hash("bgmv_shrink", "sm90") != before[("bgmv_shrink", "sm90")]
+        assert ck.source_hash("bgmv_expand", "sm90") != before[("bgmv_expand", "sm90")]
+        assert ck.source_hash("bgmv_shrink", "ada") == before[("bgmv_shrink", "ada")]
+    finally:
+        src.write_text(text)
+        ck.source_hash.cache_clear()
+
+
 def _build_in_child(cache, arch_key_json, q):
     os.environ["CUTEKERN_CACHE_DIR"] = cache
     from cutekern import compile as ck

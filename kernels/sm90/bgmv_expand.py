@@ -48,6 +48,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
+from kernels.sm90._bin_scan import collect_round, keep_remainder
+
 SASS_REQUIRED = ("LDG", "STG", "LDGSTS", "LDGDEPBAR", "VOTE")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
 
@@ -304,46 +306,13 @@ class BgmvExpandSm90:
             e_b = w - l_b * E
             nl = cutlass.Int32(0)
             for base in cutlass.range(0, P, NT * SU):
-                hit = cute.make_rmem_tensor((SU,), cutlass.Int32)
-                for u in cutlass.range_constexpr(SU):
-                    p = base + u * NT + tidx
-                    pc = cutlass.min(p, P - 1)
-                    t = pc // K
-                    j = pc - t * K
-                    lo = lora[t]
-                    ex = topk_ids[t, j]
-                    hit[u] = cutlass.Int32((p < P) & (lo == l_b) & (ex == e_b))
-                for u in cutlass.range_constexpr(SU):
-                    bal = cute.arch.vote_ballot_sync(hit[u] != 0)
-                    if lane == 0:
-                        swc[u * NWP + warp] = cute.arch.popc(cutlass.Int32(bal))
-                cute.arch.sync_threads()
-                lt = cutlass.Int32(cute.arch.lanemask_lt())
-                run = nl
-                for u in cutlass.range_constexpr(SU):
-                    mine = run
-                    for ww in cutlass.range_constexpr(NWP):
-                        c = swc[u * NWP + ww]
-                        mine = cutlass.Int32(cutlass.select_(ww < warp, mine + c, mine))
-                        run = run + c
-                    bal = cute.arch.vote_ballot_sync(hit[u] != 0)
-                    if hit[u] != 0:
-                        slist[mine + cute.arch.popc(cutlass.Int32(bal) & lt)] = base + u * NT + tidx
-                nl = run
-                cute.arch.sync_threads()
+                nl = collect_round(lora, topk_ids, l_b, e_b, base, P, K, nl, slist, swc,
+                                   tidx, warp, lane, NT, NWP, SU)
+                # full groups now; the remainder (< G) waits for the next round
                 ng = nl // G
                 for gi in cutlass.range(ng):
                     self.bin_group(s, b, out, sB, sS, sSf, slist, gi * G, G, l_b, e_b, N, tidx)
-                rem = nl - ng * G
-                if ng > 0:
-                    mv = cutlass.Int32(0)
-                    if tidx < rem:
-                        mv = slist[ng * G + tidx]
-                    cute.arch.sync_threads()
-                    if tidx < rem:
-                        slist[tidx] = mv
-                    cute.arch.sync_threads()
-                nl = rem
+                nl = keep_remainder(slist, nl, ng, G, tidx)
             if nl > 0:
                 self.bin_group(s, b, out, sB, sS, sSf, slist, 0, nl, l_b, e_b, N, tidx)
             cute.arch.sync_threads()

@@ -51,6 +51,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
+from kernels.sm90._bin_scan import collect_round, keep_remainder
+
 SASS_REQUIRED = ("LDG", "SHFL", "LDGSTS", "LDGDEPBAR", "VOTE")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
 
@@ -370,50 +372,14 @@ class BgmvShrinkSm90:
             e_b = bn - l_b * E
             nl = cutlass.Int32(0)        # pairs collected, not yet processed (CTA-uniform)
             for base in cutlass.range(0, P, NT * SU):
-                # ---- scan a round of NT * SU pairs (all index loads in flight together)
-                hit = cute.make_rmem_tensor((SU,), cutlass.Int32)
-                for u in cutlass.range_constexpr(SU):
-                    p = base + u * NT + tidx
-                    pc = cutlass.min(p, P - 1)
-                    t = pc // K
-                    j = pc - t * K
-                    lo = lora[t]
-                    ex = topk_ids[t, j]
-                    hit[u] = cutlass.Int32((p < P) & (lo == l_b) & (ex == e_b))
-                # ---- ballot + popc compaction, increasing p (u-major, then warp, lane)
-                for u in cutlass.range_constexpr(SU):
-                    bal = cute.arch.vote_ballot_sync(hit[u] != 0)
-                    if lane == 0:
-                        swc[u * BW + warp] = cute.arch.popc(cutlass.Int32(bal))
-                cute.arch.sync_threads()
-                lt = cutlass.Int32(cute.arch.lanemask_lt())
-                run = nl
-                for u in cutlass.range_constexpr(SU):
-                    mine = run
-                    for ww in cutlass.range_constexpr(BW):
-                        c = swc[u * BW + ww]
-                        mine = cutlass.Int32(cutlass.select_(ww < warp, mine + c, mine))
-                        run = run + c
-                    bal = cute.arch.vote_ballot_sync(hit[u] != 0)
-                    if hit[u] != 0:
-                        slist[mine + cute.arch.popc(cutlass.Int32(bal) & lt)] = base + u * NT + tidx
-                nl = run
-                cute.arch.sync_threads()
-                # ---- full groups now; the remainder (< G) waits for the next round
+                nl = collect_round(lora, topk_ids, l_b, e_b, base, P, K, nl, slist, swc,
+                                   tidx, warp, lane, NT, BW, SU)
+                # full groups now; the remainder (< G) waits for the next round
                 ng = nl // G
                 for gi in cutlass.range(ng):
                     self.bin_group(x, a, s, sA, sX, slist, gi * G, G, l_b, e_b, r0, K, R, H,
                                    tidx, warp, lane)
-                rem = nl - ng * G
-                if ng > 0:
-                    mv = cutlass.Int32(0)
-                    if tidx < rem:
-                        mv = slist[ng * G + tidx]
-                    cute.arch.sync_threads()
-                    if tidx < rem:
-                        slist[tidx] = mv
-                    cute.arch.sync_threads()
-                nl = rem
+                nl = keep_remainder(slist, nl, ng, G, tidx)
             if nl > 0:
                 self.bin_group(x, a, s, sA, sX, slist, 0, nl, l_b, e_b, r0, K, R, H,
                                tidx, warp, lane)
