@@ -6,7 +6,8 @@
 Work decomposition (persistent grid, grid-stride loop over work items):
   a work item is (a group of `gs` consecutive `order` entries, a block of `warps * rw` rows
   of A). Each warp owns `rw` rows of the block and computes their dot products with the
-  x rows of every entry of the group. Two shapes, chosen at run time from Q = len(order):
+  x rows of every entry of the group. Two shapes, chosen at run time from Q = len(order)
+  (with the bin schedule on, as by default, only the small shape is compiled: see small_only):
   - small (Q < config.batched_min_entries): gs = 1, rw = 1. One pair's R rows are spread
     over R / warps CTAs and R warps, so at T <= 32 the first wave already has every A row
     load of every pair in flight (each warp streams one 2*H-byte row with `small_unroll`
