@@ -55,10 +55,10 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass._mlir.dialects import llvm as _llvm
-from cutlass._mlir.dialects import nvvm as _nvvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
+
+from kernels.sm100._bin_scan import bulk_g2s, scan_pairs
 
 # UTMALDG: TMA box loads of b; UBLKCP: cp.async.bulk of the s rows; SYNCS: mbarrier ops.
 SASS_REQUIRED = ("UTMALDG", "UBLKCP", "SYNCS")
@@ -67,7 +67,6 @@ SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "LDGSTS", "HMMA", "UT
 
 _SMEM_CAPACITY = 232448  # (228 - 1) KiB per-CTA opt-in maximum on sm_100 / sm_103
 _MAX_R = 64        # TMA box extent along the rank (one 128-byte swizzle row)
-_MAX_K = 8
 _BOX_N = 32        # output columns per TMA box (one consumer warp)
 _BOX_ELEMS = _MAX_R * _BOX_N
 _VEC = 8
@@ -102,12 +101,6 @@ def _smem_bytes(cfg: BgmvExpandSm100Config) -> int:
     return (cfg.stages * (cfg.consumer_warps * _BOX_ELEMS * 2 + cfg.bin_group * _MAX_R * 2)
             + 2048 + 4 * cfg.bin_list + 4 * nw * cfg.scan_tokens + 64)
 
-
-def _bulk_g2s(dst_smem, src_gmem, mbar, nbytes):
-    """cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes (no tensor map)."""
-    dst = _llvm.addrspacecast(_llvm.PointerType.get(7), dst_smem.llvm_ptr)
-    _nvvm.cp_async_bulk_shared_cluster_global(
-        dst, src_gmem.llvm_ptr, mbar.llvm_ptr, cutlass.Int32(nbytes).ir_value())
 
 
 class BgmvExpandSm100:
@@ -229,68 +222,6 @@ class BgmvExpandSm100:
             cute.copy(tma_atom_b, tBgB[(None, nb0 + i)],
                       tBsB[(None, stage * self.cw + i)], tma_bar_ptr=full + stage)
 
-    @cute.jit
-    def _scan(self, topk_ids: cute.Tensor, lora: cute.Tensor, plist: cute.Tensor,
-              ptot: cute.Tensor, bl, be, p_lo, T, K, P, tidx, warp, lane):
-        """Whole CTA: collect the pairs p >= p_lo of bin (bl, be) into plist, increasing p,
-        until the window is full or the table ends. Returns (fill, next p_lo). Uniform."""
-        C = self.bin_list
-        NT = self.threads
-        NW = self.n_warps
-        U = self.scan_u
-        lt_mask = cute.arch.lanemask_lt()
-        fill = cutlass.Int32(0)
-        while fill < C and p_lo < P:
-            t_lo = p_lo // K
-            masks = []
-            for u in cutlass.range_constexpr(U):
-                t = t_lo + (u * NT) + tidx
-                mask = cutlass.Int32(0)
-                if t < T:
-                    lt = lora[t]
-                    for j in cutlass.range_constexpr(_MAX_K):
-                        if j < K:
-                            ej = topk_ids[(t, j)]
-                            if lt == bl and ej == be and t * K + j >= p_lo:
-                                mask = mask | (1 << j)
-                masks.append(mask)
-            # warp ballots per (u, j): matches of lower lanes and of the whole warp
-            lowers = []
-            for u in cutlass.range_constexpr(U):
-                below = cutlass.Int32(0)
-                wtot = cutlass.Int32(0)
-                for j in cutlass.range_constexpr(_MAX_K):
-                    bal = cute.arch.vote_ballot_sync(((masks[u] >> j) & 1) != 0)
-                    below = below + cute.arch.popc(bal & lt_mask)
-                    wtot = wtot + cute.arch.popc(bal)
-                lowers.append(below)
-                if lane == 0:
-                    ptot[u * NW + warp] = wtot
-            cute.arch.barrier()
-            total = cutlass.Int32(0)
-            for u in cutlass.range_constexpr(U):
-                base = fill + total
-                for w in cutlass.range_constexpr(NW):
-                    v = ptot[u * NW + w]
-                    if w < warp:
-                        base = base + v
-                    total = total + v
-                idx = base + lowers[u]
-                t = t_lo + (u * NT) + tidx
-                for j in cutlass.range_constexpr(_MAX_K):
-                    if ((masks[u] >> j) & 1) != 0:
-                        if idx < C:
-                            plist[idx] = t * K + j
-                        idx = idx + 1
-            cute.arch.barrier()
-            if fill + total > C:
-                p_lo = plist[C - 1] + 1
-                fill = cutlass.Int32(C)
-            else:
-                p_lo = (t_lo + U * NT) * K
-                fill = fill + total
-        return fill, p_lo
-
     @cute.kernel
     def kernel(self, tma_atom_b: cute.CopyAtom, tma_b: cute.Tensor, s: cute.Tensor,
                b: cute.Tensor, topk_ids: cute.Tensor, lora: cute.Tensor,
@@ -356,8 +287,9 @@ class BgmvExpandSm100:
                 nb_hi = ((pc + 1) * nnb) // nparts
                 p_lo = cutlass.Int32(0)
                 while p_lo < P:
-                    fill, p_lo = self._scan(topk_ids, lora, plist, ptot, bl, be, p_lo,
-                                            T, K, P, tidx, warp, lane)
+                    fill, p_lo = scan_pairs(topk_ids, lora, plist, ptot, bl, be, p_lo,
+                                            T, K, P, tidx, warp, lane, self.bin_list,
+                                            self.threads, self.n_warps, self.scan_u)
                     if fill > 0:
                         if warp == self.producer_warp:
                             for nb in cutlass.range(nb_lo, nb_hi, unroll=1):
@@ -372,7 +304,7 @@ class BgmvExpandSm100:
                                             full + stage, nbl * (_BOX_ELEMS * 2) + gc * R * 2)
                                         for z in cutlass.range(gc, unroll=1):
                                             pz = plist[g0 + z]
-                                            _bulk_g2s(s_buf + (stage * G + z) * _MAX_R,
+                                            bulk_g2s(s_buf + (stage * G + z) * _MAX_R,
                                                       s.iterator + cutlass.Int64(pz) * s_row,
                                                       full + stage, R * 2)
                                     cute.arch.sync_warp()
@@ -457,7 +389,7 @@ class BgmvExpandSm100:
                             if lane == 0:
                                 cute.arch.mbarrier_arrive_and_expect_tx(
                                     full + stage, nbl * (_BOX_ELEMS * 2) + R * 2)
-                                _bulk_g2s(s_buf + stage * self.stage_s_elems,
+                                bulk_g2s(s_buf + stage * self.stage_s_elems,
                                           s.iterator + cutlass.Int64(t * K + j) * s_row,
                                           full + stage, R * 2)
                             cute.arch.sync_warp()

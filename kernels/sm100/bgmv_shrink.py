@@ -51,9 +51,9 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass._mlir.dialects import llvm as _llvm
-from cutlass._mlir.dialects import nvvm as _nvvm
 from cutlass.memory import SmemAllocator
+
+from kernels.sm100._bin_scan import bulk_g2s, scan_pairs
 
 # UBLKCP: cp.async.bulk (global -> shared, mbarrier complete_tx); SYNCS: mbarrier ops.
 SASS_REQUIRED = ("UBLKCP", "SYNCS")
@@ -62,7 +62,6 @@ SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "LDGSTS", "HMMA", "UT
 
 _SMEM_CAPACITY = 232448  # (228 - 1) KiB per-CTA opt-in maximum on sm_100 / sm_103
 _MAX_R = 64
-_MAX_K = 8
 _VEC = 8           # 16-byte vector of 16-bit elements
 _CHUNK_ALIGN = 256  # H chunks are multiples of 32 lanes * 8 elements
 
@@ -96,12 +95,6 @@ def _smem_bytes(cfg: BgmvShrinkSm100Config) -> int:
     return (cfg.stages * cfg.stage_bytes + 1024 + 16 * cfg.stages
             + 4 * cfg.bin_list + 4 * nw * cfg.scan_tokens + 64)
 
-
-def _bulk_g2s(dst_smem, src_gmem, mbar, nbytes):
-    """cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes (no tensor map)."""
-    dst = _llvm.addrspacecast(_llvm.PointerType.get(7), dst_smem.llvm_ptr)
-    _nvvm.cp_async_bulk_shared_cluster_global(
-        dst, src_gmem.llvm_ptr, mbar.llvm_ptr, cutlass.Int32(nbytes).ir_value())
 
 
 class BgmvShrinkSm100:
@@ -238,11 +231,11 @@ class BgmvShrinkSm100:
                 for i in cutlass.range(rcnt, unroll=1):
                     off = (l64 * a_l + e64 * a_e
                            + cutlass.Int64(r0 + i) * a_r + cutlass.Int64(h0))
-                    _bulk_g2s(sbase + i * cap, a.iterator + off, full + stage, hc * 2)
+                    bulk_g2s(sbase + i * cap, a.iterator + off, full + stage, hc * 2)
                 for i in cutlass.range(m, unroll=1):
                     ti = src[q + i] // K
                     off = cutlass.Int64(ti) * x_t + cutlass.Int64(h0)
-                    _bulk_g2s(sbase + (rcnt + i) * cap, x.iterator + off, full + stage, hc * 2)
+                    bulk_g2s(sbase + (rcnt + i) * cap, x.iterator + off, full + stage, hc * 2)
             stage = stage + 1
             if stage == self.stages:
                 stage = cutlass.Int32(0)
@@ -308,68 +301,6 @@ class BgmvShrinkSm100:
                             s[(src[q + z], r0 + r)] = val.to(self.dtype)
         return stage, phase
 
-    @cute.jit
-    def _scan(self, topk_ids: cute.Tensor, lora: cute.Tensor, plist: cute.Tensor,
-              ptot: cute.Tensor, bl, be, p_lo, T, K, P, tidx, warp, lane):
-        """Whole CTA: collect the pairs p >= p_lo of bin (bl, be) into plist, increasing p,
-        until the window is full or the table ends. Returns (fill, next p_lo). Uniform."""
-        C = self.bin_list
-        NT = self.threads
-        NW = self.n_warps
-        U = self.scan_u
-        lt_mask = cute.arch.lanemask_lt()
-        fill = cutlass.Int32(0)
-        while fill < C and p_lo < P:
-            t_lo = p_lo // K
-            masks = []
-            for u in cutlass.range_constexpr(U):
-                t = t_lo + (u * NT) + tidx
-                mask = cutlass.Int32(0)
-                if t < T:
-                    lt = lora[t]
-                    for j in cutlass.range_constexpr(_MAX_K):
-                        if j < K:
-                            ej = topk_ids[(t, j)]
-                            if lt == bl and ej == be and t * K + j >= p_lo:
-                                mask = mask | (1 << j)
-                masks.append(mask)
-            # warp ballots per (u, j): matches of lower lanes and of the whole warp
-            lowers = []
-            for u in cutlass.range_constexpr(U):
-                below = cutlass.Int32(0)
-                wtot = cutlass.Int32(0)
-                for j in cutlass.range_constexpr(_MAX_K):
-                    bal = cute.arch.vote_ballot_sync(((masks[u] >> j) & 1) != 0)
-                    below = below + cute.arch.popc(bal & lt_mask)
-                    wtot = wtot + cute.arch.popc(bal)
-                lowers.append(below)
-                if lane == 0:
-                    ptot[u * NW + warp] = wtot
-            cute.arch.barrier()
-            total = cutlass.Int32(0)
-            for u in cutlass.range_constexpr(U):
-                base = fill + total
-                for w in cutlass.range_constexpr(NW):
-                    v = ptot[u * NW + w]
-                    if w < warp:
-                        base = base + v
-                    total = total + v
-                idx = base + lowers[u]
-                t = t_lo + (u * NT) + tidx
-                for j in cutlass.range_constexpr(_MAX_K):
-                    if ((masks[u] >> j) & 1) != 0:
-                        if idx < C:
-                            plist[idx] = t * K + j
-                        idx = idx + 1
-            cute.arch.barrier()
-            if fill + total > C:
-                p_lo = plist[C - 1] + 1
-                fill = cutlass.Int32(C)
-            else:
-                p_lo = (t_lo + U * NT) * K
-                fill = fill + total
-        return fill, p_lo
-
     @cute.kernel
     def kernel(self, x: cute.Tensor, a: cute.Tensor, topk_ids: cute.Tensor,
                lora: cute.Tensor, order: cute.Tensor, s: cute.Tensor):
@@ -416,8 +347,9 @@ class BgmvShrinkSm100:
                 be = u - bl * E
                 p_lo = cutlass.Int32(0)
                 while p_lo < P:
-                    fill, p_lo = self._scan(topk_ids, lora, plist, ptot, bl, be, p_lo,
-                                            T, K, P, tidx, warp, lane)
+                    fill, p_lo = scan_pairs(topk_ids, lora, plist, ptot, bl, be, p_lo,
+                                            T, K, P, tidx, warp, lane, self.bin_list,
+                                            self.threads, self.n_warps, self.scan_u)
                     q = cutlass.Int32(0)
                     while q < fill:
                         m = cutlass.min(cutlass.Int32(mr), fill - q)
