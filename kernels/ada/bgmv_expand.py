@@ -313,7 +313,7 @@ class BgmvExpandAda:
             while tpos < T:
                 cute.arch.sync_threads()
                 total = scan_round(topk_ids, lora, sList, sW, l, e, tpos, lo, cnt,
-                                    BCAP - cnt, T, K, tidx, BNT, BNW, self.BU)
+                                   BCAP - cnt, T, K, tidx, BNT, BNW, self.BU)
                 take = cutlass.min(total - lo, BCAP - cnt)
                 cnt = cnt + take
                 if lo + take == total:

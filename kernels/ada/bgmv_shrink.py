@@ -35,7 +35,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from kernels.ada._bin_scan import scan_round
+from kernels.ada._bin_scan import scan_round, stage_dots
 
 SASS_REQUIRED = ("LDGSTS", "LDGDEPBAR", "DEPBAR", "SHFL")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "UTMALDG", "HGMMA")
@@ -270,23 +270,7 @@ class BgmvShrinkAda:
                 self.load_stage(x, a, sA, sX, l, e, r0, xtok, nch, nxt, nxt % S, tidx)
             cute.arch.cp_async_commit_group()
 
-            slot = hs % S
-            for ii in cutlass.range_constexpr(HC // 256):
-                cl = lane + 32 * ii                  # vector within the stage
-                if hs * (HC // 8) + cl < nch:
-                    for rr in cutlass.range_constexpr(RW):
-                        va = cute.local_tile(sA[warp * RW + rr, None, slot], (8,), (cl,))
-                        ra_r = cute.local_tile(ra, (8,), (rr,))
-                        ra_r.store(va.load().to(cutlass.Float32))
-                    for m in cutlass.range_constexpr(GE):
-                        if m < n:
-                            vx = cute.local_tile(sX[m, None, slot], (8,), (cl,))
-                            rx.store(vx.load().to(cutlass.Float32))
-                            for rr in cutlass.range_constexpr(RW):
-                                acc_v = acc[m * RW + rr]
-                                for v in cutlass.range_constexpr(8):
-                                    acc_v = acc_v + rx[v] * ra[rr * 8 + v]
-                                acc[m * RW + rr] = acc_v
+            stage_dots(sA, sX, ra, rx, acc, hs % S, hs, n, nch, warp, lane, RW, GE, HC)
 
         # every warp is out of the ring before the next batch's prologue refills it
         cute.arch.sync_threads()
@@ -375,7 +359,7 @@ class BgmvShrinkAda:
             while tpos < T:
                 cute.arch.sync_threads()
                 total = scan_round(topk_ids, lora, sList, sW, l, e, tpos, lo, cnt,
-                                    BCAP - cnt, T, K, tidx, BNT, BNW, self.BU)
+                                   BCAP - cnt, T, K, tidx, BNT, BNW, self.BU)
                 take = cutlass.min(total - lo, BCAP - cnt)
                 cnt = cnt + take
                 if lo + take == total:
@@ -443,23 +427,7 @@ class BgmvShrinkAda:
                 self.load_stage_bin(x, a, sA, sX, l, e, r0, R, xtok, nch, nxt, nxt % S, tidx)
             cute.arch.cp_async_commit_group()
 
-            slot = hs % S
-            for ii in cutlass.range_constexpr(HC // 256):
-                cl = lane + 32 * ii
-                if hs * (HC // 8) + cl < nch:
-                    for rr in cutlass.range_constexpr(BRW):
-                        va = cute.local_tile(sA[warp * BRW + rr, None, slot], (8,), (cl,))
-                        ra_r = cute.local_tile(ra, (8,), (rr,))
-                        ra_r.store(va.load().to(cutlass.Float32))
-                    for m in cutlass.range_constexpr(GE):
-                        if m < n:
-                            vx = cute.local_tile(sX[m, None, slot], (8,), (cl,))
-                            rx.store(vx.load().to(cutlass.Float32))
-                            for rr in cutlass.range_constexpr(BRW):
-                                acc_v = acc[m * BRW + rr]
-                                for v in cutlass.range_constexpr(8):
-                                    acc_v = acc_v + rx[v] * ra[rr * 8 + v]
-                                acc[m * BRW + rr] = acc_v
+            stage_dots(sA, sX, ra, rx, acc, hs % S, hs, n, nch, warp, lane, BRW, GE, HC)
 
         cute.arch.sync_threads()
 
