@@ -254,7 +254,6 @@ class BgmvExpandAda:
                   cch: cute.Tensor, tidx: cutlass.Int32):
         """cp.async item `it` (token t0 + it // k, expert slot it % k) into ring slot `slot`:
         b[l, e, n0:n0+cols, 0:R] and s[p, 0:R]. Skipped pairs copy nothing (never read)."""
-        NC, NT = self.NC, self.NT
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    self.dtype, num_bits_per_copy=128)
         tl = it // K

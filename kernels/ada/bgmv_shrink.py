@@ -169,7 +169,7 @@ class BgmvShrinkAda:
     def kernel(self, x: cute.Tensor, a: cute.Tensor, topk_ids: cute.Tensor,
                lora: cute.Tensor, order: cute.Tensor, s: cute.Tensor,
                gsz: cutlass.Int32, nrb: cutlass.Int32):
-        RB, HC, S, GE, NT = self.RB, self.HC, self.S, self.GE, self.NT
+        RB, HC, S, GE = self.RB, self.HC, self.S, self.GE
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         rb = bid % nrb
@@ -235,7 +235,7 @@ class BgmvShrinkAda:
                   sA: cute.Tensor, sX: cute.Tensor, l: cutlass.Int32, e: cutlass.Int32,
                   q: cutlass.Int32, n: cutlass.Int32, r0: cutlass.Int32, K: cutlass.Int32,
                   H: cutlass.Int32, tidx: cutlass.Int32):
-        RB, RW, HC, S, GE = self.RB, self.RW, self.HC, self.S, self.GE
+        RW, HC, S, GE = self.RW, self.HC, self.S, self.GE
         nch = H // 8                       # 16-byte vectors per row
         n_st = (H + HC - 1) // HC           # ring stages of this batch
         warp = tidx // 32

@@ -441,7 +441,6 @@ class AttnResSm90:
         """Batched schedule: per row, every load of the row is resident in the ring (the
         caller guarantees 1 + has_delta + nsrc_b <= n_st); one reduction (and, row_split > 1,
         one DSMEM exchange) for all scores, one for the output norm."""
-        NW = self.num_warps_c
         NT = self.num_threads_c
         CPT = self.cpt
         C = self.row_split
@@ -643,7 +642,6 @@ class AttnResSm90:
         H = prefix.shape[1]
         s_pre = prefix.stride[0]
         s_del = delta.stride[0]
-        s_out = out.stride[0]
         s_bm = blocks.stride[0]
         s_bn = blocks.stride[1]
         K = num_blocks
@@ -821,7 +819,6 @@ class AttnResSm90:
                      has_out_norm: Int32, eps: Float32, out_eps: Float32, tidx: Int32,
                      warp: Int32, lane: Int32, n_st: Int32, inv_h: Float32):
         """v1 online schedule (row_split = 1): one reduction per source."""
-        NW = self.num_warps_c
         NT = self.num_threads_c
         CPT = self.cpt
         bid, _, _ = cute.arch.block_idx()
@@ -915,18 +912,7 @@ class AttnResSm90:
                             out_norm_w.iterator + cute.assume(j * _CHUNK, divby=_CHUNK),
                             cute.make_layout(_CHUNK))
                         cs[None, k].store(g.load())
-                nch = min(CPT, 4)
-                sqk = cute.make_rmem_tensor((nch,), Float32)
-                for k in cutlass.range_constexpr(CPT):
-                    x = acc[None, k].load()
-                    if cutlass.const_expr(k < nch):
-                        a = x[0] * x[0]
-                    else:
-                        a = sqk[k % nch] + x[0] * x[0]
-                    for e2 in cutlass.range_constexpr(1, _CHUNK):
-                        a = a + x[e2] * x[e2]
-                    sqk[k % nch] = a
-                sq, _z = self._warp_sum2(self._tree(sqk), Float32(0.0))
+                sq, _z = self._warp_sum2(self._sumsq(acc), Float32(0.0))
                 sq, _z = self._cta_sum2(sq, _z, red, par, warp, lane)
                 par = par ^ 1
                 r = cute.math.rsqrt(sq * inv_h + out_eps, fastmath=True)
