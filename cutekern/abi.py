@@ -87,6 +87,8 @@ def ikbo_attention_abi(dtype: str) -> tuple:
       scale (1,)             float32  softmax scale
       out   (R, H, D)        dtype
       lse   (R, H)           float32  natural-log log-sum-exp of the scaled scores
+      num_ctas               int32    grid size of a persistent design (the host passes
+                                      min(W * H, SM count)); a (W, H) grid design ignores it
     """
     return (
         TensorArg("q", dtype, 3, align=8),
@@ -97,6 +99,7 @@ def ikbo_attention_abi(dtype: str) -> tuple:
         TensorArg("scale", "float32", 1, align=1),
         TensorArg("out", dtype, 3, align=8),
         TensorArg("lse", "float32", 2, align=1),
+        ScalarArg("num_ctas", "int32"),
         StreamArg(),
     )
 

@@ -10,6 +10,7 @@ partials [U, M, N], then the candidate GEMM whose epilogue adds the partial tile
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -259,6 +260,88 @@ def _validate_attention(q, k, v, cand_to_user, kv_len):
         raise _attn_err("q", f"must be on a CUDA device, got {dev} (cutekern.reference has the reference)")
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+class AttentionPlan:
+    """IKBO attention for one batch structure, resolved once (plan/run, as in FlashInfer).
+
+    ``plan_attention`` validates cand_to_user and kv_len (one device sync), builds the work
+    list on the device and looks up the kernel; ``run(q, k, v)`` then checks the tensors
+    against the plan's shapes and launches one kernel: no device sync, nothing allocated
+    but ``out`` (and the LSE when returned) if not given, capturable in a CUDA graph. Every
+    layer and head that shares the batch (same cand_to_user, kv_len, shapes) can reuse one
+    plan; the per-call work of the one-shot ``attention`` (about 20 small torch ops on the
+    host) is paid once. One ``run`` at a time per plan (the LSE scratch buffer is shared).
+    """
+
+    def __init__(self, q, k, v, cand_to_user, kv_len, scale, check_indices):
+        from ._attn_work import build_work
+        from .dispatch import get_function
+        _validate_attention(q, k, v, cand_to_user, kv_len)
+        scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+        if not scale > 0:  # the kernels keep the running max on raw scores
+            raise _attn_err("scale", f"must be a positive finite number, got {scale}")
+        b, n_seed, h, d = q.shape
+        u, s_max = k.shape[0], k.shape[1]
+        self.q_shape, self.kv_shape, self.dtype = tuple(q.shape), tuple(k.shape), q.dtype
+        self.cand_to_user, self.scale, self.device = cand_to_user, scale, q.device
+        self._empty = b == 0 or n_seed == 0 or h == 0
+        if self._empty:
+            return
+        if check_indices:
+            _check_indices(cand_to_user, u, kv_len, s_max, op="ikbo.attention")
+        if kv_len is None:
+            kv_len = torch.full((u,), s_max, dtype=torch.int32, device=q.device)
+        self.kv_len = kv_len
+        self._fn = get_function("ikbo_attn", {"dtype": _DTYPES[q.dtype]}, {"head_dim": d}, q.device)
+        self.work = build_work(cand_to_user, u, n_seed, int(self._fn.meta["config"]["block_m"]))
+        self._scale_t = torch.full((1,), scale, dtype=torch.float32, device=q.device)
+        self._lse_scratch = torch.empty(b * n_seed, h, dtype=torch.float32, device=q.device)
+        self._num_ctas = min(self.work.shape[0] * h, _sm_count(q.device.index))
+
+    def run(self, q, k, v, out=None, return_lse=False):
+        """out [B, n_seed, H, D] (and the fp32 LSE [B, H, n_seed] with return_lse)."""
+        if tuple(q.shape) != self.q_shape or tuple(k.shape) != self.kv_shape:
+            raise _attn_err("q" if tuple(q.shape) != self.q_shape else "k",
+                            f"shapes {tuple(q.shape)} / {tuple(k.shape)} differ from the plan's "
+                            f"{self.q_shape} / {self.kv_shape}")
+        if q.dtype != self.dtype or q.device != self.device:
+            raise _attn_err("q", f"must be {self.dtype} on {self.device} like the plan's q")
+        _validate_attention(q, k, v, self.cand_to_user, None)
+        b, n_seed, h, d = q.shape
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != self.q_shape
+              or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous()):
+            raise _attn_err("out", f"must be a contiguous {q.dtype} tensor of shape {self.q_shape} "
+                                   f"on {q.device}")
+        if self._empty:
+            lse = torch.empty(b, h, n_seed, dtype=torch.float32, device=q.device)
+            return (out, lse) if return_lse else out
+        lse_rh = (torch.empty(b * n_seed, h, dtype=torch.float32, device=q.device)
+                  if return_lse else self._lse_scratch)
+        if os.environ.get("CUTEKERN_POISON"):
+            # debug aid ($CUTEKERN_POISON=1): NaN-fill outputs so an unwritten element shows
+            out.fill_(float("nan"))
+            lse_rh.fill_(float("nan"))
+        # _validate_attention checked dtype, shape, strides, alignment and device
+        self._fn(q.reshape(b * n_seed, h, d), k, v, self.kv_len, self.work, self._scale_t,
+                 out.view(b * n_seed, h, d), lse_rh, self._num_ctas, check=False)
+        if not return_lse:
+            return out
+        return out, lse_rh.view(b, n_seed, h).permute(0, 2, 1).contiguous()
+
+
+def plan_attention(q, k, v, cand_to_user, kv_len=None, scale=None, *, check_indices=True) -> AttentionPlan:
+    """A reusable plan for ``attention`` on tensors shaped (and typed) like q, k, v with this
+    cand_to_user / kv_len (which the plan keeps by reference: their contents at run time
+    are what the kernel reads, and the work list is built from cand_to_user now)."""
+    return AttentionPlan(q, k, v, cand_to_user, kv_len, scale, check_indices)
+
+
 def attention(q, k, v, cand_to_user, kv_len=None, scale=None, return_lse=False, *, check_indices=True):
     """IKBO candidate-over-user attention (non-causal), without broadcasting K/V.
 
@@ -267,42 +350,24 @@ def attention(q, k, v, cand_to_user, kv_len=None, scale=None, return_lse=False, 
     out[b] = softmax(q[b] k[u]^T * scale) v[u], u = cand_to_user[b]; scale defaults to
     D**-0.5. Returns out [B, n_seed, H, D] (input dtype) and, with return_lse, the fp32
     natural-log LSE [B, H, n_seed]. fp16/bf16, D in {64, 128}; any n_seed, ragged counts,
-    users with 0 candidates and kv_len 0 (out 0, lse -inf) are fine.
+    users with 0 candidates and kv_len 0 (out 0, lse -inf) are fine. Calls that share the
+    batch structure should use ``plan_attention(...).run(q, k, v)`` (the plan is built here
+    on every call).
     """
-    _validate_attention(q, k, v, cand_to_user, kv_len)
-    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    if not scale > 0:  # the kernels keep the running max on raw scores
-        raise _attn_err("scale", f"must be a positive finite number, got {scale}")
     if torch.compiler.is_compiling():
+        _validate_attention(q, k, v, cand_to_user, kv_len)
+        scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+        if not scale > 0:
+            raise _attn_err("scale", f"must be a positive finite number, got {scale}")
         out, lse = torch.ops.cutekern.ikbo_attention(q, k, v, cand_to_user, kv_len, scale, check_indices)
-    else:
-        out, lse = _attention_impl(q, k, v, cand_to_user, kv_len, scale, check_indices)
-    return (out, lse) if return_lse else out
+        return (out, lse) if return_lse else out
+    return AttentionPlan(q, k, v, cand_to_user, kv_len, scale, check_indices).run(
+        q, k, v, return_lse=return_lse)
 
 
 def _attention_impl(q, k, v, cand_to_user, kv_len, scale, check_indices):
-    from ._attn_work import build_work
-    from .dispatch import get_function
-    b, n_seed, h, d = q.shape
-    u, s_max = k.shape[0], k.shape[1]
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse_rh = torch.empty(b * n_seed, h, dtype=torch.float32, device=q.device)
-    if os.environ.get("CUTEKERN_POISON"):
-        # debug aid ($CUTEKERN_POISON=1): NaN-fill outputs so an unwritten element shows
-        out.fill_(float("nan"))
-        lse_rh.fill_(float("nan"))
-    if b == 0 or n_seed == 0 or h == 0:
-        return out, lse_rh.view(b, n_seed, h).permute(0, 2, 1).contiguous()
-    if check_indices:
-        _check_indices(cand_to_user, u, kv_len, s_max, op="ikbo.attention")
-    if kv_len is None:
-        kv_len = torch.full((u,), s_max, dtype=torch.int32, device=q.device)
-    fn = get_function("ikbo_attn", {"dtype": _DTYPES[q.dtype]}, {"head_dim": d}, q.device)
-    block_m = int(fn.meta["config"]["block_m"])
-    work = build_work(cand_to_user, u, n_seed, block_m)
-    scale_t = torch.full((1,), scale, dtype=torch.float32, device=q.device)
-    fn(q.reshape(b * n_seed, h, d), k, v, kv_len, work, scale_t, out.view(b * n_seed, h, d), lse_rh)
-    return out, lse_rh.view(b, n_seed, h).permute(0, 2, 1).contiguous()
+    return AttentionPlan(q, k, v, cand_to_user, kv_len, scale, check_indices).run(
+        q, k, v, return_lse=True)
 
 
 @torch.library.custom_op("cutekern::ikbo_attention", mutates_args=())

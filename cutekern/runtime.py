@@ -239,6 +239,9 @@ class KernelFunction:
     def _dims(self, args, check):
         if check:
             return validate_args(self.meta, args)
+        if len(args) != len(self._arg_specs):  # an ABI mismatch would mis-pack silently
+            raise TypeError(f"{self.prefix}: expected {len(self._arg_specs)} arguments, "
+                            f"got {len(args)}")
         dims = [_fast_dims(a, spec) if spec["kind"] == "tensor" else None
                 for a, spec in zip(args, self._arg_specs)]
         device = next(a.device for a, spec in zip(args, self._arg_specs) if spec["kind"] == "tensor")

@@ -60,15 +60,30 @@ def plot_lce(doc: dict, path: Path):
 def attention_table(doc: dict) -> str:
     cols = sorted({k for c in doc["cases"] for k in c["timings_ms"]},
                   key=lambda k: (not k.startswith("cutekern"), k))
+    ceil = doc["ceilings"]["matmul_fp16_tflops"]
+    graph = any("eager_ms" in c for c in doc["cases"])
+    how = ("CUDA-graph replays (cutekern through a plan); eager times are in the JSON"
+           if graph else "eager calls")
     lines = [f"**IKBO attention** on {doc['device']} (commit `{doc['git_commit'][:10]}`, "
              f"{doc['date'][:10]}; B=2048, n_seed=64, H=2, D=128, bf16, 64 candidates per user; "
-             f"ragged: counts 64 + 0/1, kv_len uniform in [S/2, S]). ms (TFLOP/s); '-' = not "
-             f"applicable.", "",
-             "| case | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+             f"ragged: counts 64 + 0/1, kv_len uniform in [S/2, S]). {how}, cold L2, median ms "
+             f"(TFLOP/s); '-' = not applicable; last columns: the sm90 kernel over the "
+             f"routes of the issue and its fraction of the measured {ceil:.0f} TFLOP/s matmul.", "",
+             "| case | " + " | ".join(cols) + " | vs cuDNN pre-bcast | vs bcast + cuDNN | vs best torch | of ceiling |",
+             "|---|" + "---|" * (len(cols) + 4)]
     for c in doc["cases"]:
         t, f = c["timings_ms"], c["tflops"]
+        ck = t.get("cutekern_sm90")
+
+        def ratio(k):
+            return f"{t[k] / ck:.2f}x" if ck and k in t else "-"
+        torch_routes = [k for k in t if not k.startswith("cutekern")]
+        best = min(torch_routes, key=t.get) if torch_routes else None
         lines.append(f"| {c['name']} | " + " | ".join(
-            f"{t[k]:.3f} ({f[k]:.0f})" if k in t else "-" for k in cols) + " |")
+            f"{t[k]:.3f} ({f[k]:.0f})" if k in t else "-" for k in cols)
+            + f" | {ratio('sdpa_cudnn_prebroadcast')} | {ratio('broadcast_plus_sdpa_cudnn')}"
+            + f" | {ratio(best) if best else '-'} | "
+            + (f"{f['cutekern_sm90'] / ceil:.0%}" if ck else "-") + " |")
     return "\n".join(lines)
 
 

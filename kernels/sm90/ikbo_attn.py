@@ -1,13 +1,17 @@
 """sm_90a IKBO candidate-over-user attention (see kernels/CONTRACT_ATTN.md).
 
-One CTA per (work chunk j, head h): query rows [r0, r1) of user u = work[j, 0] attend to
+Work item = (work chunk j, head h): query rows [r0, r1) of user u = work[j, 0] attend to
 k[u, :kv_len[u], h], v[u, :kv_len[u], h] (non-causal flash attention, fp32 softmax).
+Persistent: `num_ctas` CTAs (the host passes min(#items, SM count)) stride over the W * H
+items, chunk fastest, so the CTAs running at any time share a few users' K/V in L2.
 
 Structure (warp specialized, 3 warpgroups):
-  - warpgroup 0, warp 0: TMA producer. Loads the Q tile once (two 64-row boxes starting at
-    row r0; rows past r1 belong to other chunks and are computed but never stored; rows
-    past R are zero-filled by TMA), then streams (K tile, V tile) pairs of `block_n` keys
-    through a `kv_stages`-deep shared-memory ring guarded by mbarriers.
+  - warpgroup 0, warp 0: TMA producer. Per item, loads the Q tile into one of `q_stages`
+    Q slots (two 64-row boxes starting at row r0; rows past r1 belong to other chunks and
+    are computed but never stored; rows past R are zero-filled by TMA), then streams (K tile,
+    V tile) pairs of `block_n` keys through a `kv_stages`-deep shared-memory ring guarded by
+    mbarriers. Both rings run on across items, so the next item's Q and first K/V tiles
+    land while the consumers finish the current item and its epilogue.
   - warpgroups 1, 2: consumers, 64 query rows each. Per key tile: S = Q K^T (WGMMA, fp32),
     mask keys >= kv_len to -inf, online softmax in registers, P converted to the input
     dtype and used as the register A operand of O += P V (WGMMA). The two warpgroups run
@@ -45,17 +49,22 @@ class IkboAttnSm90Config:
         consumer warpgroup, so 128 = two consumer warpgroups (64 = one).
     block_n: keys per K/V tile (S accumulator = block_n / 2 fp32 registers per thread).
     kv_stages: depth of the (K, V) shared-memory ring.
+    q_stages: Q slots (2: the next item's Q loads during the current item; measured no
+        faster than 1, whose refill waits for the last S GEMM of the current item).
+    persistent: `num_ctas` CTAs stride over the items; False: one CTA per item, grid (W, H).
     zero_v_tail: zero the V rows past kv_len of the last (partial) tile in shared memory
         before P V, so NaN/Inf garbage in the padding of v cannot leak (0 * NaN = NaN)."""
 
     block_m: int = 128
     block_n: int = 128
     kv_stages: int = 2
+    q_stages: int = 1
+    persistent: bool = True
     zero_v_tail: bool = True
 
 
 def _smem_bytes(head_dim: int, cfg: IkboAttnSm90Config) -> int:
-    q = cfg.block_m * head_dim * 2
+    q = cfg.block_m * head_dim * 2 * cfg.q_stages
     kv = 2 * cfg.block_n * head_dim * 2 * cfg.kv_stages
     return q + kv + _SMEM_RESERVED
 
@@ -91,7 +100,7 @@ class IkboAttnSm90:
             return False
         if config.block_n not in (64, 128):
             return False
-        if config.kv_stages < 2:
+        if config.kv_stages < 2 or config.q_stages < 1:
             return False
         # registers per consumer thread: O (D/2) + S (bn/2) + P (bn/4) + ~60 for the rest
         if head_dim // 2 + config.block_n // 2 + config.block_n // 4 + 60 > 240:
@@ -102,7 +111,7 @@ class IkboAttnSm90:
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, kv_len: cute.Tensor,
                  work: cute.Tensor, scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
-                 stream: cuda.CUstream):
+                 num_ctas: cutlass.Int32, stream: cuda.CUstream):
         D = self.head_dim
         bn = self.bn
         R = q.shape[0]
@@ -130,9 +139,10 @@ class IkboAttnSm90:
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN,
             cutlass.Float32, (1, 1, 1), (_WG_ROWS, D), warpgroup.OperandSource.RMEM)
 
-        # one (64, D) Q slot per consumer warpgroup
+        # one (64, D) box per consumer warpgroup per Q slot: box = slot * WG + warpgroup
         q_smem = sm90_utils.make_smem_layout_a(
-            utils.LayoutEnum.ROW_MAJOR, (_WG_ROWS, bn, D), self.dtype, self.num_mma_wg)
+            utils.LayoutEnum.ROW_MAJOR, (_WG_ROWS, bn, D), self.dtype,
+            self.num_mma_wg * self.cfg.q_stages)
         k_smem = sm90_utils.make_smem_layout_b(
             utils.LayoutEnum.ROW_MAJOR, (_WG_ROWS, bn, D), self.dtype, self.kv_stages)
         v_smem = sm90_utils.make_smem_layout_b(
@@ -153,7 +163,7 @@ class IkboAttnSm90:
 
         @cute.struct
         class SharedStorage:
-            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            q_mbar: cute.struct.MemRange[cutlass.Int64, self.cfg.q_stages * 2]
             kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
             sQ: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(q_smem)], self.buffer_align_bytes]
@@ -168,7 +178,7 @@ class IkboAttnSm90:
             qk_mma, pv_mma, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
             kv_len, work, scale, out, lse, q_smem, k_smem, v_smem, q_bytes, kv_bytes,
         ).launch(
-            grid=[W, H, 1],
+            grid=[num_ctas, 1, 1] if cutlass.const_expr(self.cfg.persistent) else [W, H, 1],
             block=[self.threads_per_cta, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
@@ -199,239 +209,264 @@ class IkboAttnSm90:
     ):
         D = self.head_dim
         bn = self.bn
+        nwg = self.num_mma_wg
         tidx, _, _ = cute.arch.thread_idx()
-        j, h, _ = cute.arch.block_idx()
+        bx, by, _ = cute.arch.block_idx()
+        nctas, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        W = work.shape[0]
+        # items [first, n_items) with stride `step`: persistent CTAs, or just this CTA's item
+        first, n_items, step = bx, W * out.shape[1], nctas
+        if cutlass.const_expr(not self.cfg.persistent):
+            first = bx + by * W
+            n_items = first + 1
+            step = 1
 
-        u = work[(j, 0)]
-        # whole CTA leaves together before any barrier is set up
-        if u >= 0:
-            r0 = work[(j, 1)]
-            r1 = work[(j, 2)]
-            kvl = kv_len[u]
-            n_tiles = (kvl + (bn - 1)) // bn
+        if warp_idx == self.load_warp_id:
+            cpasync.prefetch_descriptor(tma_atom_q)
+            cpasync.prefetch_descriptor(tma_atom_k)
+            cpasync.prefetch_descriptor(tma_atom_v)
 
-            if warp_idx == self.load_warp_id:
-                cpasync.prefetch_descriptor(tma_atom_q)
-                cpasync.prefetch_descriptor(tma_atom_k)
-                cpasync.prefetch_descriptor(tma_atom_v)
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
 
-            smem = utils.SmemAllocator()
-            storage = smem.allocate(self.shared_storage)
+        # full barrier: 1 producer arrive + tx bytes; empty barrier: 1 arrive per consumer warp
+        q_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_mbar.data_ptr(),
+            num_stages=self.cfg.q_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, nwg * 4),
+            tx_count=q_bytes,
+            defer_sync=True,
+        )
+        kv_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.kv_mbar.data_ptr(),
+            num_stages=self.kv_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, nwg * 4),
+            tx_count=kv_bytes,
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
-            # full barrier: 1 producer arrive + tx bytes; empty barrier: 1 arrive per
-            # consumer warp
-            q_pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.q_mbar.data_ptr(),
-                num_stages=1,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.num_mma_wg * 4),
-                tx_count=q_bytes,
-                defer_sync=True,
-            )
-            kv_pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.kv_mbar.data_ptr(),
-                num_stages=self.kv_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.num_mma_wg * 4),
-                tx_count=kv_bytes,
-                defer_sync=True,
-            )
-            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        sQ = storage.sQ.get_tensor(q_smem.outer, swizzle=q_smem.inner)  # (64, D, QS * WG)
+        sK = storage.sK.get_tensor(k_smem.outer, swizzle=k_smem.inner)  # (bn, D, ST)
+        sV = storage.sV.get_tensor(v_smem.outer, swizzle=v_smem.inner)  # (D, bn, ST)
 
-            sQ = storage.sQ.get_tensor(q_smem.outer, swizzle=q_smem.inner)  # (64, D, WG)
-            sK = storage.sK.get_tensor(k_smem.outer, swizzle=k_smem.inner)  # (bn, D, ST)
-            sV = storage.sV.get_tensor(v_smem.outer, swizzle=v_smem.inner)  # (D, bn, ST)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
-            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        wg_idx = cute.arch.make_warp_uniform(tidx // self.num_threads_per_wg)
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.load_regs)
 
-            wg_idx = cute.arch.make_warp_uniform(tidx // self.num_threads_per_wg)
-            if wg_idx == 0:
-                cute.arch.setmaxregister_decrease(self.load_regs)
+        # ------------------------------------------------------------ producer warp
+        if warp_idx == self.load_warp_id:
+            q_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.cfg.q_stages)
+            kv_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.kv_stages)
+            for item in range(first, n_items, step):
+                j = item % W
+                h = item // W
+                u = work[(j, 0)]
+                if u >= 0:
+                    r0 = work[(j, 1)]
+                    n_tiles = (kv_len[u] + (bn - 1)) // bn
+                    # Q rows r0 + [0, 64 * WG): TMA box coordinates are element offsets, so
+                    # the chunk start needs no alignment
+                    gQ = cute.local_tile(
+                        cute.domain_offset((r0, 0), mQ[(None, None, h)]), (_WG_ROWS, D),
+                        (None, 0))  # (64, D, nQ)
+                    tQsQ, tQgQ = cpasync.tma_partition(
+                        tma_atom_q, 0, cute.make_layout(1),
+                        cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+                    gK = cute.local_tile(mK[(None, None, h, u)], (bn, D), (None, 0))
+                    tKsK, tKgK = cpasync.tma_partition(
+                        tma_atom_k, 0, cute.make_layout(1),
+                        cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+                    gV = cute.local_tile(mV[(None, None, h, u)], (D, bn), (0, None))
+                    tVsV, tVgV = cpasync.tma_partition(
+                        tma_atom_v, 0, cute.make_layout(1),
+                        cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-            # -------------------------------------------------------- producer warp
-            if warp_idx == self.load_warp_id:
-                # Q rows r0 + [0, 64 * WG): TMA box coordinates are element offsets, so
-                # the chunk start needs no alignment
-                gQ = cute.local_tile(
-                    cute.domain_offset((r0, 0), mQ[(None, None, h)]), (_WG_ROWS, D),
-                    (None, 0))  # (64, D, nQ)
-                tQsQ, tQgQ = cpasync.tma_partition(
-                    tma_atom_q, 0, cute.make_layout(1),
-                    cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-                gK = cute.local_tile(mK[(None, None, h, u)], (bn, D), (None, 0))  # (bn,D,nK)
-                tKsK, tKgK = cpasync.tma_partition(
-                    tma_atom_k, 0, cute.make_layout(1),
-                    cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-                gV = cute.local_tile(mV[(None, None, h, u)], (D, bn), (0, None))  # (D,bn,nK)
-                tVsV, tVgV = cpasync.tma_partition(
-                    tma_atom_v, 0, cute.make_layout(1),
-                    cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+                    q_pipe.producer_acquire(q_state)
+                    q_bar = q_pipe.producer_get_barrier(q_state)
+                    for w in cutlass.range_constexpr(nwg):
+                        cute.copy(tma_atom_q, tQgQ[(None, w)],
+                                  tQsQ[(None, q_state.index * nwg + w)], tma_bar_ptr=q_bar)
+                    q_pipe.producer_commit(q_state)
+                    q_state.advance()
 
-                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                q_pipe.producer_acquire(q_state)
-                q_bar = q_pipe.producer_get_barrier(q_state)
-                for w in cutlass.range_constexpr(self.num_mma_wg):
-                    cute.copy(tma_atom_q, tQgQ[(None, w)], tQsQ[(None, w)], tma_bar_ptr=q_bar)
-                q_pipe.producer_commit(q_state)
+                    for t in range(n_tiles):
+                        kv_pipe.producer_acquire(kv_state)
+                        bar = kv_pipe.producer_get_barrier(kv_state)
+                        cute.copy(tma_atom_k, tKgK[(None, t)], tKsK[(None, kv_state.index)],
+                                  tma_bar_ptr=bar)
+                        cute.copy(tma_atom_v, tVgV[(None, t)], tVsV[(None, kv_state.index)],
+                                  tma_bar_ptr=bar)
+                        kv_pipe.producer_commit(kv_state)
+                        kv_state.advance()
+            # no TMA write into smem outlives this warp's view of the rings
+            kv_pipe.producer_tail(kv_state)
+            q_pipe.producer_tail(q_state)
 
-                kv_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.kv_stages)
-                for t in range(n_tiles):
-                    kv_pipe.producer_acquire(kv_state)
-                    bar = kv_pipe.producer_get_barrier(kv_state)
-                    cute.copy(tma_atom_k, tKgK[(None, t)], tKsK[(None, kv_state.index)],
-                              tma_bar_ptr=bar)
-                    cute.copy(tma_atom_v, tVgV[(None, t)], tVsV[(None, kv_state.index)],
-                              tma_bar_ptr=bar)
-                    kv_pipe.producer_commit(kv_state)
-                    kv_state.advance()
-                # no TMA write into smem outlives this warp's view of the ring
-                kv_pipe.producer_tail(kv_state)
+        # ------------------------------------------------------- consumer warpgroups
+        if wg_idx > 0:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            w = wg_idx - 1  # which 64-row half of the chunk
+            tid = tidx - self.num_threads_per_wg  # 0 .. num_mma_threads - 1
+            tid_wg = tidx % self.num_threads_per_wg
+            scale_f = scale[0]
+            scale_log2 = scale_f * _LOG2E
 
-            # --------------------------------------------------- consumer warpgroups
-            if wg_idx > 0:
-                cute.arch.setmaxregister_increase(self.mma_regs)
-                w = wg_idx - 1  # which 64-row half of the chunk
-                tid = tidx - self.num_threads_per_wg  # 0 .. num_mma_threads - 1
-                tid_wg = tidx % self.num_threads_per_wg
-                scale_f = scale[0]
-                scale_log2 = scale_f * _LOG2E
+            thr_qk = qk_mma.get_slice(tid_wg)
+            thr_pv = pv_mma.get_slice(tid_wg)
+            tSrQ = qk_mma.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA,1,D/16,QS*WG)
+            tSrK = qk_mma.make_fragment_B(thr_qk.partition_B(sK))  # (MMA,1,D/16,ST)
+            tOrV = pv_mma.make_fragment_B(thr_pv.partition_B(sV))  # (MMA,1,bn/16,ST)
+            num_qk_kb = cute.size(tSrQ, mode=[2])
 
-                thr_qk = qk_mma.get_slice(tid_wg)
-                thr_pv = pv_mma.get_slice(tid_wg)
-                tSrQ = qk_mma.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA,1,D/16,WG)
-                tSrK = qk_mma.make_fragment_B(thr_qk.partition_B(sK))  # (MMA,1,D/16,ST)
-                tOrV = pv_mma.make_fragment_B(thr_pv.partition_B(sV))  # (MMA,1,bn/16,ST)
-                num_qk_kb = cute.size(tSrQ, mode=[2])
+            s_shape = thr_qk.partition_shape_C((_WG_ROWS, bn))
+            acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((_WG_ROWS, D)))
+            # coordinates (row, col) of every accumulator element
+            tScS = thr_qk.partition_C(cute.make_identity_tensor((_WG_ROWS, bn)))
+            tOcO = thr_pv.partition_C(cute.make_identity_tensor((_WG_ROWS, D)))
 
-                s_shape = thr_qk.partition_shape_C((_WG_ROWS, bn))
-                acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((_WG_ROWS, D)))
-                acc_o.fill(0.0)
-                # coordinates (row, col) of every accumulator element
-                tScS = thr_qk.partition_C(cute.make_identity_tensor((_WG_ROWS, bn)))
-                tOcO = thr_pv.partition_C(cute.make_identity_tensor((_WG_ROWS, D)))
+            # WGMMA C fragment order (PTX m64nNk16): element e = c0 + 2*hi + 4*blk is
+            # (row base + 8*hi, col 8*blk + 2*(lane%4) + c0); each thread owns 2 rows
+            # and shares them with the 3 other lanes of its quad.
+            n_s_blk = bn // 8
+            n_o_blk = D // 8
+            row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+            row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
 
-                # WGMMA C fragment order (PTX m64nNk16): element e = c0 + 2*hi + 4*blk is
-                # (row base + 8*hi, col 8*blk + 2*(lane%4) + c0); each thread owns 2 rows
-                # and shares them with the 3 other lanes of its quad.
-                n_s_blk = bn // 8
-                n_o_blk = D // 8
-                row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
-                row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
-                for i in cutlass.range_constexpr(2):
-                    row_max[i] = -cutlass.Float32.inf
-                    row_sum[i] = 0.0
+            # P in the dtype, laid out as the register A operand of P V. For 16-bit
+            # types the A fragment of k-block kb holds exactly the C elements of
+            # columns [16 kb, 16 kb + 16) in the same order, so a view of it with the
+            # C layout takes the converted S elementwise.
+            a_val = pv_mma.tv_layout_A.shape[1]
+            n_a = cute.size(a_val)
+            p_layout = cute.make_layout(
+                (a_val, 1, bn // 16),
+                stride=(cute.make_layout(a_val).stride, 0, n_a))
+            tOrP = cute.make_rmem_tensor(p_layout, self.dtype)
 
-                # P in the dtype, laid out as the register A operand of P V. For 16-bit
-                # types the A fragment of k-block kb holds exactly the C elements of
-                # columns [16 kb, 16 kb + 16) in the same order, so a view of it with the
-                # C layout takes the converted S elementwise.
-                a_val = pv_mma.tv_layout_A.shape[1]
-                n_a = cute.size(a_val)
-                p_layout = cute.make_layout(
-                    (a_val, 1, bn // 16),
-                    stride=(cute.make_layout(a_val).stride, 0, n_a))
-                tOrP = cute.make_rmem_tensor(p_layout, self.dtype)
+            zero_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
 
-                zero_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
-
-                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-                q_pipe.consumer_wait(q_state)
-
-                kv_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.kv_stages)
-                for t in range(n_tiles):
-                    kv_pipe.consumer_wait(kv_state)
-                    stage = kv_state.index
-
-                    # ---- S = Q K^T
-                    acc_s = thr_qk.make_fragment_C(s_shape)
-                    warpgroup.fence()
-                    for kb in cutlass.range_constexpr(num_qk_kb):
-                        qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                        cute.gemm(qk_mma, acc_s, tSrQ[(None, None, kb, w)],
-                                  tSrK[(None, None, kb, stage)], acc_s)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
-
-                    # ---- mask keys >= kv_len (only the last tile can hold any)
-                    valid = kvl - t * bn
-                    if valid < bn:
-                        for e in cutlass.range_constexpr(cute.size(acc_s)):
-                            if tScS[e][1] >= valid:
-                                acc_s[e] = -cutlass.Float32.inf
-
-                    # ---- online softmax (scores kept raw; scale folded into exp2)
+            q_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.cfg.q_stages)
+            kv_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.kv_stages)
+            for item in range(first, n_items, step):
+                j = item % W
+                h = item // W
+                u = work[(j, 0)]
+                if u >= 0:
+                    r0 = work[(j, 1)]
+                    r1 = work[(j, 2)]
+                    kvl = kv_len[u]
+                    n_tiles = (kvl + (bn - 1)) // bn
+                    acc_o.fill(0.0)
                     for i in cutlass.range_constexpr(2):
-                        m_old = row_max[i]
-                        m_new = m_old
-                        for b in cutlass.range_constexpr(n_s_blk):
-                            for c in cutlass.range_constexpr(2):
-                                m_new = cute.arch.fmax(m_new, acc_s[c + 2 * i + 4 * b])
-                        m_new = cute.arch.warp_reduction_max(m_new, threads_in_group=4)
-                        m_use = m_new
-                        if m_new == -cutlass.Float32.inf:
-                            m_use = 0.0  # fully masked row so far: keep exp2 finite
-                        corr = cute.math.exp2((m_old - m_use) * scale_log2, fastmath=True)
-                        row_max[i] = m_new
-                        neg = m_use * scale_log2
-                        s_part = cutlass.Float32(0.0)
-                        for b in cutlass.range_constexpr(n_s_blk):
-                            for c in cutlass.range_constexpr(2):
-                                e = c + 2 * i + 4 * b
-                                p = cute.math.exp2(acc_s[e] * scale_log2 - neg, fastmath=True)
-                                acc_s[e] = p
-                                s_part = s_part + p
-                        row_sum[i] = row_sum[i] * corr + s_part
-                        for b in cutlass.range_constexpr(n_o_blk):
-                            for c in cutlass.range_constexpr(2):
-                                e = c + 2 * i + 4 * b
-                                acc_o[e] = acc_o[e] * corr
+                        row_max[i] = -cutlass.Float32.inf
+                        row_sum[i] = 0.0
 
-                    # ---- P in the input dtype, as the A operand
-                    tOrP_as_c = cute.make_tensor(tOrP.iterator, acc_s.layout)
-                    tOrP_as_c.store(acc_s.load().to(self.dtype))
+                    q_pipe.consumer_wait(q_state)
+                    qs = q_state.index * nwg + w
+                    for t in range(n_tiles):
+                        kv_pipe.consumer_wait(kv_state)
+                        stage = kv_state.index
 
-                    # ---- zero V rows past kv_len of a partial tile (padding may be NaN)
-                    if cutlass.const_expr(self.cfg.zero_v_tail):
+                        # ---- S = Q K^T
+                        acc_s = thr_qk.make_fragment_C(s_shape)
+                        warpgroup.fence()
+                        for kb in cutlass.range_constexpr(num_qk_kb):
+                            qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                            cute.gemm(qk_mma, acc_s, tSrQ[(None, None, kb, qs)],
+                                      tSrK[(None, None, kb, stage)], acc_s)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+
+                        # ---- mask keys >= kv_len (only the last tile can hold any)
+                        valid = kvl - t * bn
                         if valid < bn:
-                            sVt = sV[(None, None, stage)]  # (D, bn)
-                            n_zero = (bn - valid) * D
-                            for zi in range(tid, n_zero, self.num_mma_threads):
-                                sVt[(zi % D, valid + zi // D)] = self.dtype(0.0)
-                            # generic-proxy writes -> visible to WGMMA (async proxy)
-                            cute.arch.fence_proxy("async.shared", space="cta")
-                            zero_bar.arrive_and_wait()
+                            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                                if tScS[e][1] >= valid:
+                                    acc_s[e] = -cutlass.Float32.inf
 
-                    # ---- O += P V
-                    warpgroup.fence()
-                    pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    cute.gemm(pv_mma, acc_o, tOrP, tOrV[(None, None, None, stage)], acc_o)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
+                        # ---- online softmax (scores kept raw; scale folded into exp2)
+                        for i in cutlass.range_constexpr(2):
+                            m_old = row_max[i]
+                            m_new = m_old
+                            for b in cutlass.range_constexpr(n_s_blk):
+                                for c in cutlass.range_constexpr(2):
+                                    m_new = cute.arch.fmax(m_new, acc_s[c + 2 * i + 4 * b])
+                            m_new = cute.arch.warp_reduction_max(m_new, threads_in_group=4)
+                            m_use = m_new
+                            if m_new == -cutlass.Float32.inf:
+                                m_use = 0.0  # fully masked row so far: keep exp2 finite
+                            corr = cute.math.exp2((m_old - m_use) * scale_log2, fastmath=True)
+                            row_max[i] = m_new
+                            neg = m_use * scale_log2
+                            s_part = cutlass.Float32(0.0)
+                            for b in cutlass.range_constexpr(n_s_blk):
+                                for c in cutlass.range_constexpr(2):
+                                    e = c + 2 * i + 4 * b
+                                    p = cute.math.exp2(acc_s[e] * scale_log2 - neg,
+                                                       fastmath=True)
+                                    acc_s[e] = p
+                                    s_part = s_part + p
+                            row_sum[i] = row_sum[i] * corr + s_part
+                            for b in cutlass.range_constexpr(n_o_blk):
+                                for c in cutlass.range_constexpr(2):
+                                    e = c + 2 * i + 4 * b
+                                    acc_o[e] = acc_o[e] * corr
 
-                    kv_pipe.consumer_release(kv_state)
-                    kv_state.advance()
+                        # ---- P in the input dtype, as the A operand
+                        tOrP_as_c = cute.make_tensor(tOrP.iterator, acc_s.layout)
+                        tOrP_as_c.store(acc_s.load().to(self.dtype))
 
-                # ---- epilogue: O / l, lse; only rows < r1 (the rest belong to others)
-                nrows = r1 - r0
-                row_base = w * _WG_ROWS
-                for i in cutlass.range_constexpr(2):
-                    l_tot = cute.arch.warp_reduction_sum(row_sum[i], threads_in_group=4)
-                    inv = cutlass.Float32(0.0)
-                    lse_v = -cutlass.Float32.inf
-                    if l_tot > 0.0:
-                        inv = 1.0 / l_tot
-                        lse_v = row_max[i] * scale_f + cute.math.log2(l_tot) * _LN2
-                    lrow = row_base + tOcO[2 * i][0]
-                    if lrow < nrows:
-                        grow = r0 + lrow
-                        if tOcO[2 * i][1] == 0:  # one lane of the quad writes lse
-                            lse[(grow, h)] = lse_v
-                        for b in cutlass.range_constexpr(n_o_blk):
-                            for c in cutlass.range_constexpr(2):
-                                e = c + 2 * i + 4 * b
-                                out[(grow, h, tOcO[e][1])] = (acc_o[e] * inv).to(self.dtype)
+                        # ---- zero V rows past kv_len of a partial tile (padding may be NaN)
+                        if cutlass.const_expr(self.cfg.zero_v_tail):
+                            if valid < bn:
+                                sVt = sV[(None, None, stage)]  # (D, bn)
+                                n_zero = (bn - valid) * D
+                                for zi in range(tid, n_zero, self.num_mma_threads):
+                                    sVt[(zi % D, valid + zi // D)] = self.dtype(0.0)
+                                # generic-proxy writes -> visible to WGMMA (async proxy)
+                                cute.arch.fence_proxy("async.shared", space="cta")
+                                zero_bar.arrive_and_wait()
+
+                        # ---- O += P V
+                        warpgroup.fence()
+                        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        cute.gemm(pv_mma, acc_o, tOrP, tOrV[(None, None, None, stage)], acc_o)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+
+                        kv_pipe.consumer_release(kv_state)
+                        kv_state.advance()
+
+                    # every S GEMM of this item is done: the producer may refill the slot
+                    q_pipe.consumer_release(q_state)
+                    q_state.advance()
+
+                    # ---- epilogue: O / l, lse; only rows < r1 (the rest belong to others)
+                    nrows = r1 - r0
+                    row_base = w * _WG_ROWS
+                    for i in cutlass.range_constexpr(2):
+                        l_tot = cute.arch.warp_reduction_sum(row_sum[i], threads_in_group=4)
+                        inv = cutlass.Float32(0.0)
+                        lse_v = -cutlass.Float32.inf
+                        if l_tot > 0.0:
+                            inv = 1.0 / l_tot
+                            lse_v = row_max[i] * scale_f + cute.math.log2(l_tot) * _LN2
+                        lrow = row_base + tOcO[2 * i][0]
+                        if lrow < nrows:
+                            grow = r0 + lrow
+                            if tOcO[2 * i][1] == 0:  # one lane of the quad writes lse
+                                lse[(grow, h)] = lse_v
+                            for b in cutlass.range_constexpr(n_o_blk):
+                                for c in cutlass.range_constexpr(2):
+                                    e = c + 2 * i + 4 * b
+                                    out[(grow, h, tOcO[e][1])] = (acc_o[e] * inv).to(self.dtype)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from cutekern.ikbo import attention
+from cutekern.ikbo import attention, plan_attention
 from cutekern.reference import ikbo_attention_reference
 
 
@@ -26,8 +26,9 @@ def problem(counts, n_seed, h, d, s_max, kv, dtype, seed):
     return q, k, v, c2u, kv_len
 
 
-def check(q, k, v, c2u, kv_len, scale=None):
-    out, lse = attention(q, k, v, c2u, kv_len, scale=scale, return_lse=True)
+def check(q, k, v, c2u, kv_len, scale=None, result=None):
+    out, lse = result if result is not None else attention(q, k, v, c2u, kv_len, scale=scale,
+                                                             return_lse=True)
     torch.cuda.synchronize()
     ref, ref_lse = ikbo_attention_reference(q, k, v, c2u, kv_len, scale=scale)
     assert not torch.isnan(out).any(), "unwritten or NaN outputs"
@@ -60,6 +61,58 @@ def test_uniform(design, dtype, d):
 def test_ragged(design, dtype, counts, n_seed, kv):
     check(*problem(counts, n_seed, 2, 128, max(max(kv), 1), kv, dtype, seed=len(counts) + n_seed),
           scale=0.07)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_many_items(design, d):
+    """Far more (chunk, head) items than SMs: persistent CTAs walk many items each, across
+    users of 0..5 candidates (chunks of 64..128 rows) and kv_len 0..S_max."""
+    g = torch.Generator().manual_seed(d)
+    counts = torch.randint(0, 6, (300,), generator=g).tolist()
+    kv = torch.randint(0, 181, (300,), generator=g).tolist()
+    check(*problem(counts, 64, 2, d, 180, kv, torch.bfloat16, seed=d))
+
+
+def test_plan_reuse(design):
+    """One plan, several runs with new contents and new tensors of the plan's shapes; out=
+    given; mismatched shapes rejected by name."""
+    counts, kv = [4, 0, 3, 1], [300, 1, 129, 0]
+    q, k, v, c2u, kv_len = problem(counts, 33, 2, 128, 300, kv, torch.float16, seed=1)
+    plan = plan_attention(q, k, v, c2u, kv_len, scale=0.05)
+    for seed in (2, 3):
+        q2, k2, v2, _, _ = problem(counts, 33, 2, 128, 300, kv, torch.float16, seed=seed)
+        check(q2, k2, v2, c2u, kv_len, scale=0.05, result=plan.run(q2, k2, v2, return_lse=True))
+    out = torch.full_like(q, float("nan"))
+    res = plan.run(q, k, v, out=out, return_lse=True)
+    assert res[0] is out
+    check(q, k, v, c2u, kv_len, scale=0.05, result=res)
+    with pytest.raises(ValueError, match="'q'"):
+        plan.run(q[:-1], k, v)
+    with pytest.raises(ValueError, match="'k'"):
+        plan.run(q, k[:, :-1], v[:, :-1])
+    with pytest.raises(ValueError, match="'out'"):
+        plan.run(q, k, v, out=out[:, :-1])
+
+
+def test_plan_cuda_graph(design):
+    q, k, v, c2u, kv_len = problem([5, 2], 64, 2, 64, 400, [400, 77], torch.bfloat16, seed=4)
+    plan = plan_attention(q, k, v, c2u, kv_len)
+    out = torch.empty_like(q)
+    plan.run(q, k, v, out=out)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        plan.run(q, k, v, out=out)
+    for seed in (5, 6):
+        fresh = problem([5, 2], 64, 2, 64, 400, [400, 77], torch.bfloat16, seed=seed)
+        for dst, src in zip((q, k, v), fresh[:3]):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref, _ = ikbo_attention_reference(q, k, v, c2u, kv_len)
+        assert not torch.isnan(out).any()
+        assert (out.float() - ref).abs().max().item() < 0.05
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
