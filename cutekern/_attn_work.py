@@ -13,8 +13,12 @@ def max_chunks(num_cands: int, n_seed: int, num_users: int, block_m: int) -> int
     return -(-num_cands * n_seed // block_m) + num_users
 
 
-def build_work(cand_to_user: torch.Tensor, num_users: int, n_seed: int, block_m: int) -> torch.Tensor:
-    """int32 [W, 3] of (user, row_begin, row_end); rows r = b * n_seed + s."""
+def build_work(cand_to_user: torch.Tensor, num_users: int, n_seed: int, block_m: int,
+               kv_len: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 [W, 3] of (user, row_begin, row_end); rows r = b * n_seed + s. With ``kv_len``
+    the chunks are ordered by their user's kv_len, longest first (stable, so a user's chunks
+    stay together), unused entries last: CTAs that stride over the list then get nearly
+    equal work (each takes one chunk per band of similar lengths)."""
     dev = cand_to_user.device
     b = cand_to_user.numel()
     w = max_chunks(b, n_seed, num_users, block_m)
@@ -34,4 +38,7 @@ def build_work(cand_to_user: torch.Tensor, num_users: int, n_seed: int, block_m:
     begin = first_cand[user_c] * n_seed + local * block_m
     end = torch.minimum(begin + block_m, (first_cand[user_c] + counts[user_c]) * n_seed)
     work = torch.stack([torch.where(valid, user_c, -1), begin, end], dim=1)
+    if kv_len is not None:
+        cost = torch.where(valid, kv_len.to(torch.int64)[user_c], -1)
+        work = work[torch.sort(cost, descending=True, stable=True).indices]
     return work.to(torch.int32)

@@ -297,7 +297,8 @@ class AttentionPlan:
             kv_len = torch.full((u,), s_max, dtype=torch.int32, device=q.device)
         self.kv_len = kv_len
         self._fn = get_function("ikbo_attn", {"dtype": _DTYPES[q.dtype]}, {"head_dim": d}, q.device)
-        self.work = build_work(cand_to_user, u, n_seed, int(self._fn.meta["config"]["block_m"]))
+        self.work = build_work(cand_to_user, u, n_seed, int(self._fn.meta["config"]["block_m"]),
+                               kv_len)
         self._scale_t = torch.full((1,), scale, dtype=torch.float32, device=q.device)
         self._lse_scratch = torch.empty(b * n_seed, h, dtype=torch.float32, device=q.device)
         self._num_ctas = min(self.work.shape[0] * h, _sm_count(q.device.index))

@@ -9,11 +9,22 @@ from cutekern.reference import ikbo_attention_reference
 
 @settings(max_examples=60, deadline=None)
 @given(counts=st.lists(st.integers(0, 9), min_size=1, max_size=8).filter(lambda c: sum(c) > 0),
-       n_seed=st.sampled_from([1, 3, 64]), block_m=st.sampled_from([16, 64, 128]))
-def test_work_covers_rows_once(counts, n_seed, block_m):
+       n_seed=st.sampled_from([1, 3, 64]), block_m=st.sampled_from([16, 64, 128]),
+       sort=st.booleans(), data=st.data())
+def test_work_covers_rows_once(counts, n_seed, block_m, sort, data):
     u = len(counts)
     c2u = torch.repeat_interleave(torch.arange(u, dtype=torch.int32), torch.tensor(counts))
-    work = build_work(c2u, u, n_seed, block_m)
+    kv_len = torch.tensor(data.draw(st.lists(st.integers(0, 50), min_size=u, max_size=u)),
+                          dtype=torch.int32) if sort else None
+    work = build_work(c2u, u, n_seed, block_m, kv_len)
+    if sort:  # longest users first, a user's chunks contiguous, unused entries last
+        users = work[:, 0]
+        n_valid = int((users >= 0).sum())
+        assert (users[n_valid:] < 0).all()
+        lens = kv_len[users[:n_valid].long()]
+        assert (lens[1:] <= lens[:-1]).all()
+        runs = torch.unique_consecutive(users[:n_valid])
+        assert runs.numel() == torch.unique(users[:n_valid]).numel()
     assert work.dtype == torch.int32 and work.shape == (max_chunks(c2u.numel(), n_seed, u, block_m), 3)
     seen = torch.zeros(c2u.numel() * n_seed, dtype=torch.int64)
     for user, r0, r1 in work.tolist():
