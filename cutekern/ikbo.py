@@ -338,8 +338,9 @@ class AttentionPlan:
 
 def plan_attention(q, k, v, cand_to_user, kv_len=None, scale=None, *, check_indices=True) -> AttentionPlan:
     """A reusable plan for ``attention`` on tensors shaped (and typed) like q, k, v with this
-    cand_to_user / kv_len (which the plan keeps by reference: their contents at run time
-    are what the kernel reads, and the work list is built from cand_to_user now)."""
+    cand_to_user / kv_len. The work list is built from cand_to_user now, so its contents
+    must not change while the plan is used; kv_len is read by the kernel at run time (it may
+    change; the work order, longest users first, keeps the plan-time lengths)."""
     return AttentionPlan(q, k, v, cand_to_user, kv_len, scale, check_indices)
 
 
