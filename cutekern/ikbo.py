@@ -260,6 +260,15 @@ def _validate_attention(q, k, v, cand_to_user, kv_len):
         raise _attn_err("q", f"must be on a CUDA device, got {dev} (cutekern.reference has the reference)")
 
 
+def _attn_scale(scale):
+    """A given scale checked before anything else (None: D**-0.5, resolved after the tensor
+    checks)."""
+    if scale is not None and not 0 < float(scale) < float("inf"):
+        # the kernels keep the running max on raw scores
+        raise _attn_err("scale", f"must be a positive finite number, got {scale}")
+    return scale
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -280,10 +289,9 @@ class AttentionPlan:
     def __init__(self, q, k, v, cand_to_user, kv_len, scale, check_indices):
         from ._attn_work import build_work
         from .dispatch import get_function
+        scale = _attn_scale(scale)
         _validate_attention(q, k, v, cand_to_user, kv_len)
         scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-        if not scale > 0:  # the kernels keep the running max on raw scores
-            raise _attn_err("scale", f"must be a positive finite number, got {scale}")
         b, n_seed, h, d = q.shape
         u, s_max = k.shape[0], k.shape[1]
         self.q_shape, self.kv_shape, self.dtype = tuple(q.shape), tuple(k.shape), q.dtype
@@ -357,10 +365,9 @@ def attention(q, k, v, cand_to_user, kv_len=None, scale=None, return_lse=False, 
     on every call).
     """
     if torch.compiler.is_compiling():
+        scale = _attn_scale(scale)
         _validate_attention(q, k, v, cand_to_user, kv_len)
         scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-        if not scale > 0:
-            raise _attn_err("scale", f"must be a positive finite number, got {scale}")
         out, lse = torch.ops.cutekern.ikbo_attention(q, k, v, cand_to_user, kv_len, scale, check_indices)
         return (out, lse) if return_lse else out
     return AttentionPlan(q, k, v, cand_to_user, kv_len, scale, check_indices).run(

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from cutekern.ikbo import attention
+from cutekern.ikbo import attention, plan_attention
 
 BF = torch.bfloat16
 
@@ -19,6 +19,16 @@ def _raises(exc, match, *args, **kw):
 
 def test_valid_cpu_input_reaches_the_device_check():
     _raises(ValueError, "'q' must be on a CUDA device", *_ok())
+
+
+def test_plan_validates_like_the_one_shot_call():
+    with pytest.raises(ValueError, match="'q' must be on a CUDA device"):
+        plan_attention(*_ok())
+    a = list(_ok()); a[3] = a[3].long()
+    with pytest.raises(TypeError, match="'cand_to_user' must be int32"):
+        plan_attention(*a)
+    with pytest.raises(ValueError, match="'scale' must be a positive"):
+        plan_attention(*_ok(), scale=-1.0)
 
 
 def test_dtypes():

@@ -52,7 +52,8 @@ class IkboAttnSm90Config:
     """block_m: query rows per work chunk (the host builds the work list with it); 64 per
         consumer warpgroup, so 128 = two consumer warpgroups (64 = one).
     block_n: keys per K/V tile (S accumulator = block_n / 2 fp32 registers per thread).
-    kv_stages: depth of the (K, V) shared-memory ring.
+    kv_stages: depth of the (K, V) shared-memory ring (3: V_{t-1} is read in the same
+        WGMMA group as K_t, so two stages are busy while the next one loads).
     q_stages: Q slots (2: the next item's Q loads during the current item; measured no
         faster than 1, whose refill waits for the last S GEMM of the current item).
     persistent: `num_ctas` CTAs stride over the items; False: one CTA per item, grid (W, H).
