@@ -320,13 +320,18 @@ class AttentionPlan:
         if q.dtype != self.dtype or q.device != self.device:
             raise _attn_err("q", f"must be {self.dtype} on {self.device} like the plan's q")
         _validate_attention(q, k, v, self.cand_to_user, None)
+        if out is not None and (
+                not isinstance(out, torch.Tensor) or tuple(out.shape) != self.q_shape
+                or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous()):
+            raise _attn_err("out", f"must be a contiguous {q.dtype} tensor of shape {self.q_shape} "
+                                   f"on {q.device}")
+        return self._launch(q, k, v, out, return_lse)
+
+    def _launch(self, q, k, v, out, return_lse):
+        """The launch itself, on tensors already checked against the plan."""
         b, n_seed, h, d = q.shape
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != self.q_shape
-              or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous()):
-            raise _attn_err("out", f"must be a contiguous {q.dtype} tensor of shape {self.q_shape} "
-                                   f"on {q.device}")
         if self._empty:
             lse = torch.empty(b, h, n_seed, dtype=torch.float32, device=q.device)
             return (out, lse) if return_lse else out
@@ -370,13 +375,14 @@ def attention(q, k, v, cand_to_user, kv_len=None, scale=None, return_lse=False, 
         scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
         out, lse = torch.ops.cutekern.ikbo_attention(q, k, v, cand_to_user, kv_len, scale, check_indices)
         return (out, lse) if return_lse else out
-    return AttentionPlan(q, k, v, cand_to_user, kv_len, scale, check_indices).run(
-        q, k, v, return_lse=return_lse)
+    # the plan has just checked these very tensors
+    return AttentionPlan(q, k, v, cand_to_user, kv_len, scale, check_indices)._launch(
+        q, k, v, None, return_lse)
 
 
 def _attention_impl(q, k, v, cand_to_user, kv_len, scale, check_indices):
-    return AttentionPlan(q, k, v, cand_to_user, kv_len, scale, check_indices).run(
-        q, k, v, return_lse=True)
+    return AttentionPlan(q, k, v, cand_to_user, kv_len, scale, check_indices)._launch(
+        q, k, v, None, True)
 
 
 @torch.library.custom_op("cutekern::ikbo_attention", mutates_args=())

@@ -239,9 +239,7 @@ class KernelFunction:
     def _dims(self, args, check):
         if check:
             return validate_args(self.meta, args)
-        if len(args) != len(self._arg_specs):  # an ABI mismatch would mis-pack silently
-            raise TypeError(f"{self.prefix}: expected {len(self._arg_specs)} arguments, "
-                            f"got {len(args)}")
+        _check_count(self.prefix, self._arg_specs, args)  # a mismatch would mis-pack silently
         dims = [_fast_dims(a, spec) if spec["kind"] == "tensor" else None
                 for a, spec in zip(args, self._arg_specs)]
         device = next(a.device for a, spec in zip(args, self._arg_specs) if spec["kind"] == "tensor")
@@ -282,14 +280,18 @@ def _fast_dims(t, spec):
     return shape, stride
 
 
+def _check_count(where: str, specs, args):
+    if len(args) != len(specs):
+        raise TypeError(f"{where}: expected {len(specs)} arguments "
+                        f"({', '.join(s['name'] for s in specs)}), got {len(args)}")
+
+
 def validate_args(meta: dict, args, require_cuda: bool = True) -> tuple:
     """Check arguments against a manifest entry's ABI; returns ([(shape, strides) per tensor,
     None per scalar], device)."""
     where = f"cutekern {meta['op']}[{meta['design']}/{meta['arch']}]"
     specs = [s for s in meta["abi"] if s["kind"] != "stream"]
-    if len(args) != len(specs):
-        raise TypeError(f"{where}: expected {len(specs)} arguments "
-                        f"({', '.join(s['name'] for s in specs)}), got {len(args)}")
+    _check_count(where, specs, args)
     device = None
     out = []
     for spec, a in zip(specs, args):

@@ -231,6 +231,11 @@ class IkboAttnSm90:
                     e = c + 2 * i + 4 * b
                     acc_o[e] = acc_o[e] * corr
 
+    # a plain method, inlined while tracing (no staged state leaves it)
+    def _store_p(self, tOrP: cute.Tensor, acc_s: cute.Tensor):
+        """P in the input dtype into the A-operand registers (same element order as S)."""
+        cute.make_tensor(tOrP.iterator, acc_s.layout).store(acc_s.load().to(self.dtype))
+
     @cute.kernel
     def kernel(
         self,
@@ -449,8 +454,7 @@ class IkboAttnSm90:
                         kv_state.advance()
                         self._softmax_tile(acc_s, acc_o, tScS, kvl, row_max, row_sum,
                                            scale_log2)
-                        tOrP_c0 = cute.make_tensor(tOrP.iterator, acc_s.layout)
-                        tOrP_c0.store(acc_s.load().to(self.dtype))
+                        self._store_p(tOrP, acc_s)
                         for t in range(1, n_tiles):
                             kv_pipe.consumer_wait(kv_state)
                             acc_s = thr_qk.make_fragment_C(s_shape)
@@ -473,8 +477,7 @@ class IkboAttnSm90:
                             kv_state.advance()
                             self._softmax_tile(acc_s, acc_o, tScS, kvl - t * bn, row_max,
                                                row_sum, scale_log2)
-                            tOrP_c = cute.make_tensor(tOrP.iterator, acc_s.layout)
-                            tOrP_c.store(acc_s.load().to(self.dtype))
+                            self._store_p(tOrP, acc_s)
                         # last P V; zero V rows past kv_len first (padding may be NaN)
                         if cutlass.const_expr(self.cfg.zero_v_tail):
                             valid = kvl - (n_tiles - 1) * bn
