@@ -49,7 +49,7 @@ def host_breakdown(q, k, v, c2u) -> dict:
     }
 
 
-def run(root: Path, out_dir: Path, only=None, reps=3):
+def run(root: Path, out_dir: Path, only=None, reps=3, seqs=(1024, 4096, 8192, 16384)):
     """Correctness of every config, then CUDA-graph replay times of plan.run (the kernel
     alone) with the configs interleaved `reps` times per shape, so clock and thermal drift
     hit all configs alike; eager one-shot and host costs once per config."""
@@ -91,7 +91,7 @@ def run(root: Path, out_dir: Path, only=None, reps=3):
                        and torch.equal(fin, torch.isfinite(lse)))
         rows[d.name]["correct"] = ok
 
-    for s in (1024, 4096, 8192, 16384):
+    for s in seqs:
         b, u = 2048, 32
         c2u = torch.repeat_interleave(torch.arange(u), 64).int().cuda()
         q = torch.randn(b, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
@@ -131,8 +131,10 @@ if __name__ == "__main__":
     ap.add_argument("--root", type=Path)
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--only", default=None, help="one config directory name")
+    ap.add_argument("--reps", type=int, default=3, help="interleaved rounds per shape")
+    ap.add_argument("--seqs", default="1024,4096,8192,16384", help="key lengths S")
     a = ap.parse_args()
     if a.make:
         make(a.make, json.loads(a.configs))
     else:
-        run(a.root, a.out, a.only)
+        run(a.root, a.out, a.only, a.reps, tuple(int(x) for x in a.seqs.split(",")))

@@ -205,31 +205,43 @@ class IkboAttnSm90:
             for e in cutlass.range_constexpr(cute.size(acc_s)):
                 if tScS[e][1] >= valid:
                     acc_s[e] = -cutlass.Float32.inf
+        # row i of this thread: elements c + 2 i + 4 b. Max and sum run as 4 independent
+        # chains (a 32-long dependency chain per row otherwise sits on the critical path
+        # between this warpgroup's S and its next GEMM group).
+        rows = [[c + 2 * i + 4 * b for b in range(n_s_blk) for c in range(2)] for i in range(2)]
+        m_news = []
         for i in cutlass.range_constexpr(2):
+            els = rows[i]
+            part = [acc_s[els[0]], acc_s[els[1]], acc_s[els[2]], acc_s[els[3]]]
+            for n in cutlass.range_constexpr(4, len(els)):
+                part[n % 4] = cute.arch.fmax(part[n % 4], acc_s[els[n]])
+            m_new = cute.arch.fmax(cute.arch.fmax(part[0], part[1]),
+                                   cute.arch.fmax(part[2], part[3]))
+            m_news.append(cute.arch.fmax(m_new, row_max[i]))
+        for i in cutlass.range_constexpr(2):
+            m_news[i] = cute.arch.warp_reduction_max(m_news[i], threads_in_group=4)
+        corrs = []
+        for i in cutlass.range_constexpr(2):
+            els = rows[i]
             m_old = row_max[i]
-            m_new = m_old
-            for b in cutlass.range_constexpr(n_s_blk):
-                for c in cutlass.range_constexpr(2):
-                    m_new = cute.arch.fmax(m_new, acc_s[c + 2 * i + 4 * b])
-            m_new = cute.arch.warp_reduction_max(m_new, threads_in_group=4)
+            m_new = m_news[i]
             m_use = m_new
             if m_new == -cutlass.Float32.inf:
                 m_use = 0.0  # fully masked row so far: keep exp2 finite
-            corr = cute.math.exp2((m_old - m_use) * scale_log2, fastmath=True)
+            corrs.append(cute.math.exp2((m_old - m_use) * scale_log2, fastmath=True))
             row_max[i] = m_new
             neg = m_use * scale_log2
-            s_part = cutlass.Float32(0.0)
-            for b in cutlass.range_constexpr(n_s_blk):
-                for c in cutlass.range_constexpr(2):
-                    e = c + 2 * i + 4 * b
-                    p = cute.math.exp2(acc_s[e] * scale_log2 - neg, fastmath=True)
-                    acc_s[e] = p
-                    s_part = s_part + p
-            row_sum[i] = row_sum[i] * corr + s_part
+            s_part = [cutlass.Float32(0.0)] * 4
+            for n in cutlass.range_constexpr(len(els)):
+                p = cute.math.exp2(acc_s[els[n]] * scale_log2 - neg, fastmath=True)
+                acc_s[els[n]] = p
+                s_part[n % 4] = s_part[n % 4] + p
+            row_sum[i] = row_sum[i] * corrs[i] + ((s_part[0] + s_part[1]) + (s_part[2] + s_part[3]))
+        for i in cutlass.range_constexpr(2):
             for b in cutlass.range_constexpr(n_o_blk):
                 for c in cutlass.range_constexpr(2):
                     e = c + 2 * i + 4 * b
-                    acc_o[e] = acc_o[e] * corr
+                    acc_o[e] = acc_o[e] * corrs[i]
 
     # a plain method, inlined while tracing (no staged state leaves it)
     def _store_p(self, tOrP: cute.Tensor, acc_s: cute.Tensor):
