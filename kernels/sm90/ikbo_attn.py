@@ -202,9 +202,11 @@ class IkboAttnSm90:
         n_s_blk = self.bn // 8
         n_o_blk = self.head_dim // 8
         if valid < self.bn:
+            # a select per element (an `if` per element here made the compiler carry the
+            # whole fragment through every branch: ~1000 FSEL per masked tile)
             for e in cutlass.range_constexpr(cute.size(acc_s)):
-                if tScS[e][1] >= valid:
-                    acc_s[e] = -cutlass.Float32.inf
+                acc_s[e] = cutlass.Float32(cutlass.select_(
+                    tScS[e][1] >= valid, -cutlass.Float32.inf, acc_s[e]))
         # row i of this thread: elements c + 2 i + 4 b. Max and sum run as 4 independent
         # chains (a 32-long dependency chain per row otherwise sits on the critical path
         # between this warpgroup's S and its next GEMM group).
@@ -413,7 +415,23 @@ class IkboAttnSm90:
                 stride=(cute.make_layout(a_val).stride, 0, n_a))
             tOrP = cute.make_rmem_tensor(p_layout, self.dtype)
 
-            zero_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+            # V rows past kv_len in the last tile: each warpgroup zeroes all of them itself
+            # (16-byte stores, predicated per row) and waits only for its own threads; both
+            # write the same zeros, so no cross-warpgroup barrier breaks the ping-pong
+            zero_bar = pipeline.NamedBarrier(barrier_id=4 + w,
+                                             num_threads=self.num_threads_per_wg)
+            d_thr = D // 8  # threads along D, 8 elements (16 bytes) each
+            zero_copy = cute.make_tiled_copy_tv(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                    num_bits_per_copy=128),
+                cute.make_layout((d_thr, self.num_threads_per_wg // d_thr),
+                                 stride=(1, d_thr)),
+                cute.make_layout((8, 1)))
+            thr_zero = zero_copy.get_slice(tid_wg)
+            tZsV = thr_zero.partition_D(sV)  # (CPY, D / (8 d_thr), bn / rows, ST)
+            tZcV = thr_zero.partition_D(cute.make_identity_tensor((D, bn)))
+            zeros = cute.make_fragment_like(tZsV[(None, 0, 0, 0)])  # one 16-byte chunk
+            zeros.fill(0.0)
             # ping-pong: warpgroup w issues a WGMMA group between turn_mine.arrive_and_wait()
             # and turn_other.arrive(); warpgroup 0 goes first
             turn_mine = pipeline.NamedBarrier(barrier_id=2 + w, num_threads=self.num_mma_threads)
@@ -494,10 +512,12 @@ class IkboAttnSm90:
                         if cutlass.const_expr(self.cfg.zero_v_tail):
                             valid = kvl - (n_tiles - 1) * bn
                             if valid < bn:
-                                sVt = sV[(None, None, rel_state.index)]  # (D, bn)
-                                n_zero = (bn - valid) * D
-                                for zi in range(tid, n_zero, self.num_mma_threads):
-                                    sVt[(zi % D, valid + zi // D)] = self.dtype(0.0)
+                                for zm in cutlass.range_constexpr(cute.size(tZsV, mode=[1])):
+                                    for zn in cutlass.range_constexpr(
+                                            cute.size(tZsV, mode=[2])):
+                                        if tZcV[(0, zm, zn)][1] >= valid:
+                                            cute.copy(zero_copy, zeros,
+                                                      tZsV[(None, zm, zn, rel_state.index)])
                                 cute.arch.fence_proxy("async.shared", space="cta")
                                 zero_bar.arrive_and_wait()
                         if cutlass.const_expr(pp):
