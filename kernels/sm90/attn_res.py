@@ -713,6 +713,12 @@ class AttnResSm90:
 
         # ------------------------------------------------------------ producer warp
         if warp == NW:
+            # row_split = 1: the consumers' norm_w / qk_w loads go out first; issued behind
+            # the ring's bulk copies (up to a full ring per SM) they waited ~7-11 us for the
+            # copies to drain (debug_timeline, H200: M=256 25.4 -> 23.6 us). The split
+            # kernels (small M, a short ring) start their copies at once: latency first.
+            if cutlass.const_expr(C == 1):
+                cute.arch.barrier(barrier_id=2, number_of_threads=NT + 32)
             if lane == 0:
                 slot = Int32(0)
                 phase = Int32(0)
@@ -752,18 +758,26 @@ class AttnResSm90:
             else:
                 wq = cute.make_rmem_tensor((_CHUNK, CPT), Float32)
                 wq_t = wq
+            # raw loads first, then let the producer start, then the products
+            nw_r = cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)
+            qw_r = cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)
+            nw_r.fill(0.0)
+            qw_r.fill(0.0)
             for k in cutlass.range_constexpr(CPT):
                 j = k * NT + tidx
-                prod = cute.make_rmem_tensor((_CHUNK,), Float32)
-                prod.fill(0.0)
                 if j < nchunk:
                     goff = cbase + j * _CHUNK
                     a = cute.make_tensor(norm_w.iterator + cute.assume(goff, divby=_CHUNK),
                                          cute.make_layout(_CHUNK))
                     b = cute.make_tensor(qk_w.iterator + cute.assume(goff, divby=_CHUNK),
                                          cute.make_layout(_CHUNK))
-                    prod.store(a.load().to(Float32) * b.load().to(Float32))
-                wq_t[None, k].store(prod.load())
+                    nw_r[None, k].store(a.load())
+                    qw_r[None, k].store(b.load())
+            if cutlass.const_expr(C == 1):
+                cute.arch.barrier_arrive(barrier_id=2, number_of_threads=NT + 32)
+            for k in cutlass.range_constexpr(CPT):
+                wq_t[None, k].store(nw_r[None, k].load().to(Float32)
+                                    * qw_r[None, k].load().to(Float32))
             if cutlass.const_expr(self.cfg.debug_timeline):
                 tl[9] = cute.arch.clock64()
             if cutlass.const_expr(C > 1):
