@@ -117,6 +117,8 @@ class AttnResRunner:
 # sources stream through one SM. Picked from an H200 sweep (perf/results/tune_memops_h200.json,
 # H=7168, K=8): split 8 is best up to M=8, 4 at M=16, 2 at M=32..64, 1 from M=128.
 _SPLIT_FOR_ROWS = ((8, 8), (16, 4), (64, 2))
+# rows per launch (exclusive bounds) where the Ada-design kernel serves sm_90a (see choose_kernel)
+_ADA_ROWS = (128, 2048)
 
 
 def _row_split(m, design):
@@ -131,14 +133,16 @@ def _row_split(m, design):
 def choose_kernel(m, h, arch, design):
     """(design, flags) of the kernel that serves M rows of hidden size H.
 
-    On sm_90a the cluster-split sm90 kernel serves small M; from M = 128 rows (up to the 8192
-    hidden tier, where it was measured) the Ada-design kernel, also built for sm_90a, is faster
-    on the H200 (perf/results/attn_res.json: M=256 22.4 vs 28.2 us, M=1024 61.0 vs 67.2 us,
-    equal from M=8192), so it serves those shapes unless $CUTEKERN_DESIGN forces a design."""
+    On sm_90a the cluster-split sm90 kernel serves small M and the sm90 kernel also M = 128
+    and M >= 2048; for 128 < M < 2048 (up to the 8192 hidden tier, where it was measured) the
+    Ada-design kernel, also built for sm_90a, is faster on the H200 (perf/results/attn_res.json
+    at c7fae81: M=256 22.3 vs 24.0 us, M=512 35.4 vs 37.0, M=1024 60.8 vs 61.0; M=128 16.9 vs
+    15.7, M=2048 108.6 vs 107.0), so it serves those shapes unless $CUTEKERN_DESIGN forces a
+    design."""
     from .arch import DESIGNS_FOR_ARCH, ENV_DESIGN
     tier = next(t for t in HIDDEN_TIERS if h <= t)
     if (not os.environ.get(ENV_DESIGN) and design == "sm90" and "ada" in DESIGNS_FOR_ARCH[arch]
-            and m > _SPLIT_FOR_ROWS[-1][0] and tier == HIDDEN_TIERS[0]):
+            and _ADA_ROWS[0] < m < _ADA_ROWS[1] and tier == HIDDEN_TIERS[0]):
         design = "ada"
     # $CUTEKERN_ATTN_RES_SPLIT forces a split (tuning sweeps, perf/tune_memops.py)
     split = int(os.environ.get("CUTEKERN_ATTN_RES_SPLIT", 0)) or _row_split(m, design)

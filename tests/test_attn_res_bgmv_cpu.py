@@ -162,14 +162,18 @@ def test_bgmv_validation_names_the_argument():
 
 def test_attn_res_kernel_choice(monkeypatch):
     """sm_90a: cluster-split sm90 kernel for small M, the (measured faster) Ada-design kernel
-    from M = 128 in the 8192 tier; $CUTEKERN_DESIGN wins; other arches keep their design."""
+    for 128 < M < 2048 in the 8192 tier, sm90 again from M = 2048; $CUTEKERN_DESIGN wins;
+    other arches keep their design."""
     from cutekern.attn_res import choose_kernel
     monkeypatch.delenv("CUTEKERN_DESIGN", raising=False)
     monkeypatch.delenv("CUTEKERN_ATTN_RES_SPLIT", raising=False)
     assert choose_kernel(1, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 8})
     assert choose_kernel(16, 7168, "sm_90a", "sm90")[1]["row_split"] == 4
     assert choose_kernel(64, 7168, "sm_90a", "sm90")[1]["row_split"] == 2
-    assert choose_kernel(128, 7168, "sm_90a", "sm90") == ("ada", {"max_hidden": 8192, "row_split": 1})
+    assert choose_kernel(128, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 1})
+    assert choose_kernel(129, 7168, "sm_90a", "sm90") == ("ada", {"max_hidden": 8192, "row_split": 1})
+    assert choose_kernel(2047, 7168, "sm_90a", "sm90") == ("ada", {"max_hidden": 8192, "row_split": 1})
+    assert choose_kernel(2048, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 1})
     assert choose_kernel(4096, 12344, "sm_90a", "sm90") == ("sm90", {"max_hidden": 16384, "row_split": 1})
     assert choose_kernel(1, 7168, "sm_89", "ada") == ("ada", {"max_hidden": 8192, "row_split": 1})
     assert choose_kernel(1, 7168, "sm_100a", "sm100")[0] == "sm100"

@@ -169,9 +169,9 @@ def test_zero_rows(design):
     assert attn_res(prefix, d, blocks, nw, qw, onw, num_blocks=1).shape == (0, 1024)
 
 
-@pytest.mark.parametrize("m", [1, 16, 63, 300])
+@pytest.mark.parametrize("m", [1, 16, 63, 128, 300, 2048])
 def test_default_kernel_choice(monkeypatch, m):
     """No design forced: the per-shape choice (cluster-split sm90 kernel for small M, the
-    Ada-design kernel from M = 128 on sm_90a) is correct too."""
+    Ada-design kernel for 128 < M < 2048 on sm_90a) is correct too."""
     monkeypatch.delenv("CUTEKERN_DESIGN", raising=False)
     run_case(m, 8, 7168, 8, 7 if m % 2 else -1, seed=m + 99)
