@@ -379,7 +379,6 @@ class IkboAttnSm90:
         if wg_idx > 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
             w = wg_idx - 1  # which 64-row half of the chunk
-            tid = tidx - self.num_threads_per_wg  # 0 .. num_mma_threads - 1
             tid_wg = tidx % self.num_threads_per_wg
             scale_f = scale[0]
             scale_log2 = scale_f * _LOG2E
