@@ -245,7 +245,13 @@ class IkboAttnSm90:
                     e = c + 2 * i + 4 * b
                     acc_o[e] = acc_o[e] * corrs[i]
 
-    # a plain method, inlined while tracing (no staged state leaves it)
+    # plain methods, inlined while tracing (no staged state leaves them)
+    def _item(self, work: cute.Tensor, item):
+        """(chunk j, head h, user u) of work item `item`, chunk fastest; u < 0: an unused
+        entry. The producer and the consumers walk the same items through this."""
+        j = item % work.shape[0]
+        return j, item // work.shape[0], work[(j, 0)]
+
     def _store_p(self, tOrP: cute.Tensor, acc_s: cute.Tensor):
         """P in the input dtype into the A-operand registers (same element order as S)."""
         cute.make_tensor(tOrP.iterator, acc_s.layout).store(acc_s.load().to(self.dtype))
@@ -331,9 +337,7 @@ class IkboAttnSm90:
             kv_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Producer, self.kv_stages)
             for item in range(first, n_items, step):
-                j = item % W
-                h = item // W
-                u = work[(j, 0)]
+                j, h, u = self._item(work, item)
                 if u >= 0:
                     r0 = work[(j, 1)]
                     n_tiles = (kv_len[u] + (bn - 1)) // bn
@@ -448,9 +452,7 @@ class IkboAttnSm90:
             kv_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.kv_stages)
             for item in range(first, n_items, step):
-                j = item % W
-                h = item // W
-                u = work[(j, 0)]
+                j, h, u = self._item(work, item)
                 if u >= 0:
                     r0 = work[(j, 1)]
                     r1 = work[(j, 2)]
