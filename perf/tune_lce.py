@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -15,10 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CONFIGS = {
     "sm90": {
         "default": {},
-        "c22_n128": {"cluster_m": 2, "num_ctas": 128},
-        "c22_n120": {"cluster_m": 2, "num_ctas": 120},
-        "c22_n112": {"cluster_m": 2, "num_ctas": 112},
-        "c22_n104": {"cluster_m": 2, "num_ctas": 104},
+        "nopdl": {"pdl": False},
+        "k64_s4_add2_nopdl": {"tile_k": 64, "ab_stages": 4, "addend_stages": 2, "pdl": False},
     },
 }
 
@@ -32,9 +31,9 @@ def make(root: Path):
             print("made", design, name, flush=True)
 
 
-def run(root: Path, out_dir: Path):
+def run(root: Path, out_dir: Path, rounds: int = 3):
     import torch
-    from common import LCE_REF, lce_problem, time_ms
+    from common import LCE_REF, lce_problem, time_graph_ms, time_ms
     from cutekern.runtime import Manifest
     from cutekern.reference import pad_k, lce_reference
 
@@ -46,39 +45,54 @@ def run(root: Path, out_dir: Path):
     flops = 2 * M * N * (B * KC + u * KU)
     from cutekern.reference import lce_decomposed, lce_decomposed_padded, pad_k_rows
     ecp, eup = pad_k_rows(ec), pad_k_rows(eu)
-    t_pad = time_ms(lambda: lce_decomposed_padded(wc, wu, ecp, eup, c2u))
+    t_pad = time_graph_ms(lambda: lce_decomposed_padded(wc, wu, ecp, eup, c2u))
     t_dec = time_ms(lambda: lce_decomposed(wc[:, :KC], wu[:, :KU], ec, eu, c2u))
     t_mm = time_ms(lambda: torch.matmul(wc, ecp))
-    print(f"baselines: decomposed {t_dec:.3f} ms, decomposed_padded {t_pad:.3f} ms, "
+    print(f"baselines: decomposed {t_dec:.3f} ms, decomposed_padded (graph) {t_pad:.3f} ms, "
           f"padded cand matmul alone {t_mm:.3f} ms", flush=True)
     rows = [{"baseline_decomposed_ms": t_dec, "baseline_decomposed_padded_ms": t_pad,
              "padded_cand_matmul_ms": t_mm}]
+    # configs are timed interleaved, `rounds` times each, so clock and thermal drift
+    # between configs averages out; the median over rounds is reported
+    cfgs = []
     for d in sorted(p for p in root.iterdir() if (p / "manifest.json").exists()):
         design = d.name.split("-")[0]
         man = Manifest(d)
-        f_user = man.function("lce_gemm", design, "sm_90a", {"ab": "float16", "c": "float32"}, {"has_addend": False})
-        f_cand = man.function("lce_gemm", design, "sm_90a", {"ab": "float16", "c": "float16"}, {"has_addend": True})
-        f_noadd = man.function("lce_gemm", design, "sm_90a", {"ab": "float16", "c": "float32"}, {"has_addend": False})
-        part = torch.empty(u, M, N, device="cuda")
-        out = torch.full((B, M, N), float("nan"), dtype=dt, device="cuda")
-        out32 = torch.empty(B, M, N, device="cuda")
-
-        def both():
-            f_user(wu, eu, part, part, c2u)
-            f_cand(wc, ec, out, part, c2u)
-        both()
+        fn = lambda dt_c, add: man.function(  # noqa: E731
+            "lce_gemm", design, "sm_90a", {"ab": "float16", "c": dt_c}, {"has_addend": add})
+        cfgs.append((d.name, man.data["kernels"][0]["config"], fn("float32", False),
+                     fn("float16", True)))
+    part = torch.empty(u, M, N, device="cuda")
+    out = torch.empty(B, M, N, dtype=dt, device="cuda")
+    times = {name: {"total": [], "graph_total": [], "user": [], "cand": []} for name, *_ in cfgs}
+    errs = {}
+    for name, _, f_user, f_cand in cfgs:
+        out.fill_(float("nan"))
+        f_user(wu, eu, part, part, c2u)
+        f_cand(wc, ec, out, part, c2u)
         torch.cuda.synchronize()
-        err = ((out.double() - ref).norm() / ref.norm()).item()
-        t_both = time_ms(both)
-        t_user = time_ms(lambda: f_user(wu, eu, part, part, c2u))
-        t_cand = time_ms(lambda: f_cand(wc, ec, out, part, c2u))
-        t_cand32 = time_ms(lambda: f_noadd(wc, ec, out32, part, c2u))
-        row = {"config": d.name, "config_fields": man.data["kernels"][0]["config"], "rel_err": err,
-               "total_ms": t_both, "user_ms": t_user, "cand_addend_f16out_ms": t_cand,
-               "cand_noaddend_f32out_ms": t_cand32, "useful_tflops": flops / t_both / 1e9}
+        errs[name] = ((out.double() - ref).norm() / ref.norm()).item()
+    for _ in range(rounds):
+        for name, _, f_user, f_cand in cfgs:
+            def both():
+                f_user(wu, eu, part, part, c2u)
+                f_cand(wc, ec, out, part, c2u)
+            times[name]["total"].append(time_ms(both, reps=10))
+            times[name]["graph_total"].append(time_graph_ms(both, reps=10))
+            times[name]["user"].append(time_ms(lambda: f_user(wu, eu, part, part, c2u), reps=10))
+            times[name]["cand"].append(time_ms(lambda: f_cand(wc, ec, out, part, c2u), reps=10))
+    for name, fields, *_ in cfgs:
+        med = {k: statistics.median(v) for k, v in times[name].items()}
+        row = {"config": name, "config_fields": fields, "rel_err": errs[name],
+               "total_ms": med["total"], "graph_total_ms": med["graph_total"],
+               "graph_total_ms_rounds": times[name]["graph_total"],
+               "user_ms": med["user"], "cand_ms": med["cand"],
+               "cand_ms_rounds": times[name]["cand"], "useful_tflops": flops / med["total"] / 1e9}
         rows.append(row)
-        print(f"{d.name:28s} err={err:.2e} total={t_both:.3f} user={t_user:.3f} cand={t_cand:.3f} "
-              f"cand_noadd_f32={t_cand32:.3f} ms  {row['useful_tflops']:.0f} TF", flush=True)
+        print(f"{name:28s} err={errs[name]:.2e} graph_total={med['graph_total']:.3f} "
+              f"total={med['total']:.3f} user={med['user']:.3f} "
+              f"cand={med['cand']:.3f} ms (rounds {' '.join(f'{t:.3f}' for t in times[name]['cand'])})"
+              f"  {row['useful_tflops']:.0f} TF", flush=True)
     (out_dir / "tune_lce.json").write_text(json.dumps(rows, indent=1))
 
 
@@ -87,8 +101,9 @@ if __name__ == "__main__":
     ap.add_argument("--make", type=Path)
     ap.add_argument("--root", type=Path)
     ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     if a.make:
         make(a.make)
     else:
-        run(a.root, a.out)
+        run(a.root, a.out, a.rounds)

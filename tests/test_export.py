@@ -83,6 +83,23 @@ def test_sass_fingerprints(exported, arch):
         assert set(e["sass"]["required_found"]) >= set(e["sass"]["required"])
 
 
+def test_lce_sm90_phases_overlap_through_pdl(exported):
+    """The sm_90a user phase lets the candidate phase launch early (PREEXIT = griddepcontrol
+    .launch_dependents) and the candidate phase waits for it before reading the addend
+    (ACQBULK = griddepcontrol.wait); without the wait the addend could be read stale."""
+    out, manifest = exported
+    seen = set()
+    for e in manifest["kernels"]:
+        if (e["op"], e["design"], e["arch"]) != ("lce_gemm", "sm90", "sm_90a"):
+            continue
+        ops = _opcodes((out / e["object"]).with_suffix(".sass").read_text())
+        add = e["flags"]["has_addend"]
+        want = "ACQBULK" if add else "PREEXIT"
+        assert want in ops, f"{e['prefix']}: {want} missing"
+        seen.add(add)
+    assert seen == {True, False}
+
+
 _STRUCT = re.compile(r"typedef struct \{\s*void \*data;\s*int32_t dynamic_shapes\[(\d+)\];"
                      r"(?:\s*int64_t dynamic_strides\[(\d+)\];)?\s*\}\s*(\w+)_Tensor_(\w+)_t;")
 _WRAPPER = re.compile(r"cute_dsl_(\w+)_wrapper\(\w+_Kernel_Module_t \*module, ([^)]*)\)")

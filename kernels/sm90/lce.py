@@ -15,9 +15,16 @@ Structure: one producer warp issues TMA loads into an `ab_stages`-deep shared-me
 epilogue (optional fp32 addend, convert, registers -> smem -> TMA store). With the addend
 and `addend_tma` (default), a second producer warp TMA-loads each epilogue subtile of
 d[idx[l]] into a small shared-memory ring ahead of time, so the consumers read the addend
-from smem with the accumulator's own thread -> element mapping. Persistent grid
-with a static scheduler whose raster walks all tiles of one batch entry l back to back, so
-b[l] comes from DRAM once and from L2 for its other tiles.
+from smem with the accumulator's own thread -> element mapping. Persistent grid; the
+clusters take the (n, m, l) tiles round robin with l slowest (`_walk`), so the few tiles of
+one batch entry run together and b[l] comes from DRAM once and from L2 for its other tiles.
+
+Where the time goes (H200 clock64 timeline, perf/timeline_lce.py, perf/NOTES.md): the
+mainloop runs at the tensor-core peak (~12.6 K cycles per 128x224x896 tile), and shared
+memory is nearly saturated there (WGMMA operand reads + TMA writes ~130 B/clk); the
+epilogue (~3.5 K cycles with the addend, ~1.9 K without) does not overlap it. The two
+launches of an LCE call (user phase without addend, then candidate phase) overlap through
+programmatic dependent launch (`pdl`).
 """
 from __future__ import annotations
 
@@ -48,7 +55,8 @@ class LceSm90Config:
 
     tile_n: CTA tile along problem N (the WGMMA M side): 64 per consumer warpgroup.
     tile_m: CTA tile along problem M (the WGMMA N side): multiple of 8, <= 256.
-    tile_k: K per pipeline stage (64 = one 128-byte swizzle row of 16-bit data).
+    tile_k: K per pipeline stage: 64 (one 128-byte swizzle row of 16-bit data) or 32 (half
+        the bytes per stage, so twice the stages fit in the same shared memory).
     ab_stages: depth of the TMA -> WGMMA shared-memory ring.
     epi_stages: output staging buffers for the TMA store (>= 2); reduced automatically to
         what fits next to the ring (fp32 output needs twice the bytes).
@@ -62,19 +70,38 @@ class LceSm90Config:
         larger of the two per-stage loads, to CTAs that share it (halves its L2 reads).
     cluster_m: CTAs per cluster along problem M; > 1 multicasts the b tile.
     num_ctas: persistent grid size cap (132 SMs on H100 SXM / H200).
+    pdl: programmatic dependent launch between the two phases: the user phase (no addend)
+        lets the next kernel launch as soon as all its CTAs run, and the candidate phase is
+        launched so it may start early. Its CTAs that find a free SM begin their mainloops
+        while the user phase runs; only the warp that reads the addend waits
+        (griddepcontrol.wait) for the user phase to finish.
+    debug_no_epilogue: diagnostics only (never exported by default): skip the epilogue,
+        so the output is not written; times the loads and WGMMAs alone.
+    debug_no_addend: diagnostics only: the epilogue neither loads nor adds the addend.
+    debug_timeline: diagnostics only: consumer thread 0 of every CTA writes clock64 marks
+        (cycles since it started) of its first 32 tiles as int32 into the LAST user slot of
+        d, d[U-1] (which the caller must leave unreferenced by idx): per tile 8 ints at
+        (cta * 32 + tile) * 8: tile start, first stage full, mainloop done, first addend
+        subtile ready, epilogue done (perf/timeline_lce.py reads them).
     """
 
     tile_n: int = 128
     tile_m: int = 224
-    tile_k: int = 64
-    ab_stages: int = 4
+    # 6 x 32-deep stages hold what 3 x 64 would (135 KB) but keep the mainloop at 4 x 64's
+    # pace, which leaves room for 4 addend stages (H200 timeline, perf/NOTES.md)
+    tile_k: int = 32
+    ab_stages: int = 6
     epi_stages: int = 4
     epi_m: int = 32
     addend_tma: bool = True
-    addend_stages: int = 2
+    addend_stages: int = 4
     cluster_n: int = 2
     cluster_m: int = 1
     num_ctas: int = 132
+    pdl: bool = True
+    debug_no_epilogue: bool = False
+    debug_no_addend: bool = False
+    debug_timeline: bool = False
 
 
 def _ab_stage_bytes(cfg: LceSm90Config, ab_dtype) -> int:
@@ -131,7 +158,9 @@ class LceGemmSm90:
         self.ab_dtype = ab_dtype
         self.c_dtype = c_dtype
         self.acc_dtype = cutlass.Float32
-        self.has_addend = bool(has_addend)
+        # the debug builds run without the addend (and its ring)
+        self.has_addend = bool(has_addend) and not (config.debug_no_epilogue
+                                                    or config.debug_no_addend)
         self.cfg = config
 
         # WGMMA-side tile (M', N', K) = (problem N, problem M, K)
@@ -168,7 +197,7 @@ class LceGemmSm90:
             return False
         if cfg.tile_m % 8 != 0 or not 8 <= cfg.tile_m <= 256:
             return False
-        if cfg.tile_k != 64:
+        if cfg.tile_k not in (32, 64):
             return False
         if cfg.epi_m % 8 != 0 or cfg.tile_m % cfg.epi_m != 0:
             return False
@@ -275,13 +304,12 @@ class LceGemmSm90:
                 cpasync.CopyBulkTensorTileG2SOp(), mD, add_smem, self.epi_tile)
             add_bytes = cute.size_in_bytes(cutlass.Float32, add_smem)
 
-        # tiles over (N', M', L) = (problem N, problem M, L); N' fastest, then M', then l,
-        # so the few tiles of one batch entry run together and share b[l] through L2.
-        ntiles = (cute.ceil_div(N, bm), cute.ceil_div(M, bn), L)
-        sched_params = utils.PersistentTileSchedulerParams(
-            ntiles, (*self.cluster_shape_mn, 1), 1, True)
-        grid = utils.StaticPersistentTileScheduler.get_grid_shape(
-            sched_params, self.cfg.num_ctas // self.cluster_size)
+        # persistent grid: one cluster per (n, m) cluster tile of every batch entry, at most
+        # num_ctas CTAs; _walk deals the cluster tiles out
+        n_ctiles = cute.ceil_div(cute.ceil_div(N, bm), self.cluster_shape_mn[0]) * \
+            cute.ceil_div(cute.ceil_div(M, bn), self.cluster_shape_mn[1]) * L
+        grid = (*self.cluster_shape_mn,
+                cutlass.min(n_ctiles, self.cfg.num_ctas // self.cluster_size))
 
         @cute.struct
         class SharedStorage:
@@ -320,7 +348,7 @@ class LceGemmSm90:
         self.kernel(
             tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c,
             mD, idx, tiled_mma,
-            a_smem_staged, b_smem_staged, epi_smem_staged, tma_bytes, sched_params,
+            a_smem_staged, b_smem_staged, epi_smem_staged, tma_bytes,
             tma_atom_d, tma_d, add_smem_staged, add_bytes,
         ).launch(
             grid=grid,
@@ -328,9 +356,37 @@ class LceGemmSm90:
             cluster=(*self.cluster_shape_mn, 1),
             min_blocks_per_mp=1,
             stream=stream,
+            # the addend's producer (the user phase) may still run: see cfg.pdl
+            use_pdl=self.cfg.pdl and self.has_addend,
         )
 
     # ---------------------------------------------------------------- device side
+    @cute.jit
+    def _walk(self, mC: cute.Tensor):
+        """This cluster's tile sequence: tile j is _tile(first + j * step) for j < count.
+        Every warp role of every CTA of the cluster walks the same sequence."""
+        bm, bn, _ = self.cta_tile
+        cn, cm = self.cluster_shape_mn
+        nc = cute.ceil_div(cute.ceil_div(mC.shape[0], bm), cn)
+        mc = cute.ceil_div(cute.ceil_div(mC.shape[1], bn), cm)
+        total = nc * mc * mC.shape[2]
+        g = cute.arch.grid_dim()[2]
+        k = cute.arch.block_idx()[2]
+        # round robin: the clusters run the tiles of a few consecutive batch entries at a
+        # time, so b[l] comes from DRAM once and from L2 for its other (n, m) tiles
+        # (contiguous runs of l per cluster measured ~10% slower on the H200)
+        count = (total - k + g - 1) // g
+        return k, g, count, nc, mc
+
+    @cute.jit
+    def _tile(self, i, nc, mc, cluster_coord):
+        """(n tile, m tile, l) of cluster tile i for this CTA of the cluster."""
+        cn, cm = self.cluster_shape_mn
+        n_c = i % nc
+        m_c = (i // nc) % mc
+        l = i // (nc * mc)
+        return (n_c * cn + cluster_coord[0], m_c * cm + cluster_coord[1], l)
+
     @cute.jit
     def _load_addend(self, thr_copy_r2s, cC_t, gD, extent_nm, ecrd, dst):
         """dst[v] = d value for register v of epilogue subtile ecrd (0 outside M x N).
@@ -359,7 +415,6 @@ class LceGemmSm90:
         b_smem_staged: cute.ComposedLayout,
         epi_smem_staged: cute.ComposedLayout,
         tma_bytes: cutlass.Constexpr,
-        sched_params: utils.PersistentTileSchedulerParams,
         tma_atom_d,
         mD_tma,
         add_smem_staged,
@@ -369,6 +424,10 @@ class LceGemmSm90:
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
 
+        if cutlass.const_expr(self.cfg.pdl and not self.has_addend):
+            # the next kernel (the candidate phase) may launch onto the SMs this one leaves
+            # free; it waits for this grid before it reads what this grid writes
+            cute.arch.griddepcontrol_launch_dependents()
         if warp_idx == self.load_warp_id:
             cpasync.prefetch_descriptor(tma_atom_a)
             cpasync.prefetch_descriptor(tma_atom_b)
@@ -454,6 +513,7 @@ class LceGemmSm90:
         acc = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
 
         k_tile_cnt = cute.size(gA, mode=[3])
+        w_first, w_step, w_count, w_nc, w_mc = self._walk(mC)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
 
@@ -462,13 +522,10 @@ class LceGemmSm90:
 
         # ------------------------------------------------------------ producer warp
         if warp_idx == self.load_warp_id:
-            sched = utils.StaticPersistentTileScheduler.create(
-                sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
-            work = sched.initial_work_tile_info()
             prod_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Producer, self.ab_stages)
-            while work.is_valid_tile:
-                tc = work.tile_idx
+            for j in range(w_count):
+                tc = self._tile(w_first + j * w_step, w_nc, w_mc, cluster_coord)
                 tAgA_t = tAgA[(None, tc[0], None, tc[2])]
                 tBgB_t = tBgB[(None, tc[1], None, tc[2])]
                 # count = k-tile index within this tile; index/phase keep running
@@ -484,8 +541,6 @@ class LceGemmSm90:
                               tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
                     ab_pipeline.producer_commit(prod_state)
                     prod_state.advance()
-                sched.advance_to_next_work()
-                work = sched.get_current_work()
             # keep the CTA alive until consumers released every stage (multicast peers
             # may still be writing into our smem otherwise)
             ab_pipeline.producer_tail(prod_state)
@@ -504,13 +559,13 @@ class LceGemmSm90:
             if warp_idx == self.addend_load_warp_id:
                 # (bm, bn, RestN', RestM', U)
                 gD_tma = cute.local_tile(mD_tma, (bm, bn), (None, None, None))
-                sched = utils.StaticPersistentTileScheduler.create(
-                    sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
-                work = sched.initial_work_tile_info()
+                if cutlass.const_expr(self.cfg.pdl):
+                    # d is written by the previous grid (the user phase)
+                    cute.arch.griddepcontrol_wait()
                 add_prod_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.addend_stages)
-                while work.is_valid_tile:
-                    tc = work.tile_idx
+                for j in range(w_count):
+                    tc = self._tile(w_first + j * w_step, w_nc, w_mc, cluster_coord)
                     u = idx[tc[2]]
                     gD_epi = cute.zipped_divide(
                         gD_tma[(None, None, tc[0], tc[1], u)], self.epi_tile)
@@ -524,8 +579,6 @@ class LceGemmSm90:
                                   tma_bar_ptr=add_pipeline.producer_get_barrier(add_prod_state))
                         add_pipeline.producer_commit(add_prod_state)
                         add_prod_state.advance()
-                    sched.advance_to_next_work()
-                    work = sched.get_current_work()
                 # every stage released: no TMA write into smem outlives this warp
                 add_pipeline.producer_tail(add_prod_state)
 
@@ -533,9 +586,6 @@ class LceGemmSm90:
         if wg_idx > 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
             mma_tidx = tidx - self.num_threads_per_wg
-            sched = utils.StaticPersistentTileScheduler.create(
-                sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
-            work = sched.initial_work_tile_info()
             read_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(
@@ -575,9 +625,25 @@ class LceGemmSm90:
                 add_cons_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, self.addend_stages)
             use_ldg_addend = self.has_addend and not self.addend_tma
-
-            while work.is_valid_tile:
-                tc = work.tile_idx
+            if cutlass.const_expr(self.cfg.pdl and use_ldg_addend):
+                cute.arch.griddepcontrol_wait()  # these threads read d, the user phase's output
+            dbg = self.cfg.debug_timeline
+            tl = None
+            t_base = cutlass.Int64(0)
+            tl_cta = cute.arch.block_idx()[2] * self.cluster_size + cta_rank
+            if cutlass.const_expr(dbg):
+                t_base = cute.arch.clock64()
+                tl = cute.make_tensor(
+                    cute.recast_ptr(mD.iterator + cutlass.Int64(mD.shape[2] - 1) *
+                                    cutlass.Int64(mD.stride[2]), dtype=cutlass.Int32),
+                    cute.make_layout(1 << 16))
+            for j in range(w_count):
+                tc = self._tile(w_first + j * w_step, w_nc, w_mc, cluster_coord)
+                tl_slot = (tl_cta * 32 + j) * 8
+                tl_on = (mma_tidx == 0) & (j < 32)
+                if cutlass.const_expr(dbg):
+                    if tl_on:
+                        tl[tl_slot] = cutlass.Int32(cute.arch.clock64() - t_base)
                 # addend rows of this batch entry; idx is read before the mainloop so its
                 # latency hides behind it
                 cC_t = gcC[(None, None, tc[0], tc[1])]
@@ -588,14 +654,18 @@ class LceGemmSm90:
                 # j-1 is released once its WGMMA has retired.
                 read_state.reset_count()
                 release_state.reset_count()
-                acc.fill(0.0)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                # the tile's first WGMMA overwrites the accumulator (no zero fill)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                 warpgroup.fence()
                 for k_tile in range(k_tile_cnt):
                     ab_pipeline.consumer_wait(read_state)
+                    if cutlass.const_expr(dbg):
+                        if tl_on & (k_tile == 0):
+                            tl[tl_slot + 1] = cutlass.Int32(cute.arch.clock64() - t_base)
                     for kb in cutlass.range_constexpr(num_k_blocks):
                         kc = (None, None, kb, read_state.index)
                         cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)
                     if k_tile > 0:
@@ -609,60 +679,72 @@ class LceGemmSm90:
                 warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
+                if cutlass.const_expr(dbg):
+                    if tl_on:
+                        tl[tl_slot + 2] = cutlass.Int32(cute.arch.clock64() - t_base)
 
                 # ---------------------------------------------------------- epilogue
-                gC_t = gC[(None, None, tc[0], tc[1], tc[2])]
-                gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
-                bSG_sC, bSG_gC = cpasync.tma_partition(
-                    tma_atom_c, 0, cute.make_layout(1),
-                    cute.group_modes(sC, 0, 2), gC_epi)
-                prev = sched.num_tiles_executed * epi_num
-                for e in cutlass.range_constexpr(epi_num):
-                    for v in cutlass.range_constexpr(size_rD):
-                        tRS_rD[v] = tRS_rAcc[e * size_rD + v]
-                    ecrd = epi_order.get_hier_coord(e)
-                    if cutlass.const_expr(self.addend_tma):
-                        # stage add_cons_state holds subtile e of this tile; it is released
-                        # by the store warp after the epilogue barrier below
-                        add_pipeline.consumer_wait(add_cons_state)
-                        sAdd_e = tRS_sAdd[(None, None, None, add_cons_state.index)]
+                if cutlass.const_expr(self.cfg.debug_no_epilogue):
+                    # keep the accumulator (and so the WGMMAs) alive
+                    if acc[0] == cutlass.Float32(-1.25e-37):
+                        mD[(0, 0, 0)] = acc[0]
+                if cutlass.const_expr(not self.cfg.debug_no_epilogue):
+                    gC_t = gC[(None, None, tc[0], tc[1], tc[2])]
+                    gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
+                    bSG_sC, bSG_gC = cpasync.tma_partition(
+                        tma_atom_c, 0, cute.make_layout(1),
+                        cute.group_modes(sC, 0, 2), gC_epi)
+                    prev = j * epi_num
+                    for e in cutlass.range_constexpr(epi_num):
                         for v in cutlass.range_constexpr(size_rD):
-                            tRS_rD[v] = tRS_rD[v] + sAdd_e[v]
-                    if cutlass.const_expr(use_ldg_addend):
-                        # loads for the next subtile fly while this one is stored
-                        if cutlass.const_expr(e + 1 < epi_num):
-                            self._load_addend(thr_copy_r2s, cC_t, gD, extent_nm,
-                                              epi_order.get_hier_coord(e + 1),
-                                              rAdd[(e + 1) % 2])
-                        for v in cutlass.range_constexpr(size_rD):
-                            tRS_rD[v] = tRS_rD[v] + rAdd[e % 2][v]
-                    tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
-                    buf = (prev + e) % self.epi_stages
-                    # buffer buf was last read by the store issued epi_stages subtiles ago;
-                    # the store warp waited for it before the previous barrier (below)
-                    cute.copy(tiled_copy_r2s, tRS_rOut, tRS_sC[(None, None, None, buf)])
-                    # make the generic-proxy smem accesses (output writes, and the addend
-                    # reads before the loader's next TMA write) ordered with the async proxy
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    if warp_idx == self.epi_store_warp_id:
-                        # one barrier per subtile: the buffer written after this barrier,
-                        # (prev + e + 1) % epi_stages, was last read by the store issued
-                        # epi_stages - 1 subtiles ago; leave at most epi_stages - 2 stores
-                        # reading smem. Waiting here, not right after the commit, gives the
-                        # last store this warp's convert/stmatrix time to drain.
-                        cute.arch.cp_async_bulk_wait_group(self.epi_stages - 2, read=True)
-                    epi_bar.arrive_and_wait()
-                    if warp_idx == self.epi_store_warp_id:
+                            tRS_rD[v] = tRS_rAcc[e * size_rD + v]
+                        ecrd = epi_order.get_hier_coord(e)
                         if cutlass.const_expr(self.addend_tma):
-                            # every consumer thread has read the addend stage (barrier above)
-                            add_pipeline.consumer_release(add_cons_state)
-                        cute.copy(tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, ecrd)])
-                        cute.arch.cp_async_bulk_commit_group()
-                    if cutlass.const_expr(self.addend_tma):
-                        add_cons_state.advance()
-
-                sched.advance_to_next_work()
-                work = sched.get_current_work()
+                            # stage add_cons_state holds subtile e of this tile; it is released
+                            # by the store warp after the epilogue barrier below
+                            add_pipeline.consumer_wait(add_cons_state)
+                            if cutlass.const_expr(dbg and e == 0):
+                                if tl_on:
+                                    tl[tl_slot + 3] = cutlass.Int32(
+                                        cute.arch.clock64() - t_base)
+                            sAdd_e = tRS_sAdd[(None, None, None, add_cons_state.index)]
+                            for v in cutlass.range_constexpr(size_rD):
+                                tRS_rD[v] = tRS_rD[v] + sAdd_e[v]
+                        if cutlass.const_expr(use_ldg_addend):
+                            # loads for the next subtile fly while this one is stored
+                            if cutlass.const_expr(e + 1 < epi_num):
+                                self._load_addend(thr_copy_r2s, cC_t, gD, extent_nm,
+                                                  epi_order.get_hier_coord(e + 1),
+                                                  rAdd[(e + 1) % 2])
+                            for v in cutlass.range_constexpr(size_rD):
+                                tRS_rD[v] = tRS_rD[v] + rAdd[e % 2][v]
+                        tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
+                        buf = (prev + e) % self.epi_stages
+                        # buffer buf was last read by the store issued epi_stages subtiles ago;
+                        # the store warp waited for it before the previous barrier (below)
+                        cute.copy(tiled_copy_r2s, tRS_rOut, tRS_sC[(None, None, None, buf)])
+                        # make the generic-proxy smem accesses (output writes, and the addend
+                        # reads before the loader's next TMA write) ordered with the async proxy
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        if warp_idx == self.epi_store_warp_id:
+                            # one barrier per subtile: the buffer written after this barrier,
+                            # (prev + e + 1) % epi_stages, was last read by the store issued
+                            # epi_stages - 1 subtiles ago; leave at most epi_stages - 2 stores
+                            # reading smem. Waiting here, not right after the commit, gives the
+                            # last store this warp's convert/stmatrix time to drain.
+                            cute.arch.cp_async_bulk_wait_group(self.epi_stages - 2, read=True)
+                        epi_bar.arrive_and_wait()
+                        if warp_idx == self.epi_store_warp_id:
+                            if cutlass.const_expr(self.addend_tma):
+                                # every consumer thread has read the addend stage (barrier above)
+                                add_pipeline.consumer_release(add_cons_state)
+                            cute.copy(tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, ecrd)])
+                            cute.arch.cp_async_bulk_commit_group()
+                        if cutlass.const_expr(self.addend_tma):
+                            add_cons_state.advance()
+                    if cutlass.const_expr(dbg):
+                        if tl_on:
+                            tl[tl_slot + 4] = cutlass.Int32(cute.arch.clock64() - t_base)
 
             if warp_idx == self.epi_store_warp_id:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
