@@ -78,6 +78,10 @@ class AttnResSm90Config:
     ring_kb: upper bound of the source ring (KiB); clamped to what shared memory has left.
         The ring holds min(max_stages, ring_bytes // (2 seg)) slots at runtime (>= 2).
     max_stages: mbarrier pairs allocated (upper bound of the runtime ring depth).
+    split_stages: row_split > 1: ring depth cap (>= 10, one row's loads). The split kernels
+        serve M < 128 (at most ~2 rows per cluster), and every mbarrier pair initialized
+        costs ~80 cycles on the critical path at M = 1 (H200 timeline: 32 pairs, 1.2 K
+        cycles before the first copy).
     num_sms: persistent grid size bound (132 on the H200); the grid is min(M, num_sms *
         ctas_per_sm) CTAs (row_split = 1) or min(M, num_sms * ctas_per_sm / C) clusters.
     ctas_per_sm: resident CTAs per SM targeted (launch bound + shared memory split).
@@ -97,6 +101,7 @@ class AttnResSm90Config:
     wq_max_reg_chunks: int = 4
     ring_kb: int = 224
     max_stages: int = 32
+    split_stages: int = 12
     num_sms: int = 132
     ctas_per_sm: int = 1
     batched: bool = True
@@ -133,7 +138,8 @@ def _layout_numbers(max_hidden: int, cfg: AttnResSm90Config, row_split: int):
     ring = min(cfg.ring_kb * 1024, cap - fixed) // 128 * 128
     if ring < 2 * 2 * seg_max:  # >= 2 slots at max_hidden
         return None
-    if C > 1 and (ring < _MAX_LOADS * 2 * seg_max or cfg.max_stages < _MAX_LOADS):
+    if C > 1 and (ring < _MAX_LOADS * 2 * seg_max or cfg.max_stages < _MAX_LOADS
+                  or cfg.split_stages < _MAX_LOADS):
         return None  # the split schedule keeps every load of a row resident
     return nw, cpt, wq_smem, wq_bytes, ring, seg_max
 
@@ -454,6 +460,12 @@ class AttnResSm90:
         cb64 = Int64(cbase)
 
         part = cute.make_rmem_tensor((_NV,), Float32)
+        mixv = None
+        if cutlass.const_expr(C > 1 and CPT == 1):
+            # the mix's slot chunks (zero where a thread has no chunk: _load_slot skips it)
+            mixv = [cute.make_rmem_tensor((_CHUNK, 1), self.dtype) for _ in range(_MAXB)]
+            for j in cutlass.range_constexpr(_MAXB):
+                mixv[j].fill(0.0)
         tot = cute.make_rmem_tensor((_NV,), Float32)
         tb = cute.make_rmem_tensor((_MAXB,), Float32)
         eb = cute.make_rmem_tensor((_MAXB,), Float32)
@@ -570,13 +582,32 @@ class AttnResSm90:
             wp = ep * inv_l
             for k in cutlass.range_constexpr(CPT):
                 acc[None, k].store(cp[None, k].load().to(Float32) * wp)
-            for j in cutlass.range_constexpr(_MAXB):
-                if j < nsrc_b:
-                    sj, pj = self._skip(slot_b, ph_b, n_st, Int32(j))
-                    self._axpy_slot(ring, sj, seg, tidx, nchunk, acc, eb[j] * inv_l)
-                    cute.arch.sync_warp()
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive(empty + sj)
+            if cutlass.const_expr(C > 1 and CPT == 1):
+                # small M is latency: every slot's chunk is read first (independent shared
+                # memory loads, 8 bf16 registers each), then the FMAs, then one release
+                # pass (was ~1.45 K cycles of load -> FMA -> sync per slot at M = 1)
+                for j in cutlass.range_constexpr(_MAXB):
+                    if j < nsrc_b:
+                        sj, pj = self._skip(slot_b, ph_b, n_st, Int32(j))
+                        self._load_slot(ring, sj, seg, tidx, nchunk, mixv[j])
+                for j in cutlass.range_constexpr(_MAXB):
+                    if j < nsrc_b:
+                        acc[None, 0].store(acc[None, 0].load()
+                                           + mixv[j][None, 0].load().to(Float32) * (eb[j] * inv_l))
+                cute.arch.sync_warp()
+                if lane == 0:
+                    for j in cutlass.range_constexpr(_MAXB):
+                        if j < nsrc_b:
+                            sj, pj = self._skip(slot_b, ph_b, n_st, Int32(j))
+                            cute.arch.mbarrier_arrive(empty + sj)
+            else:
+                for j in cutlass.range_constexpr(_MAXB):
+                    if j < nsrc_b:
+                        sj, pj = self._skip(slot_b, ph_b, n_st, Int32(j))
+                        self._axpy_slot(ring, sj, seg, tidx, nchunk, acc, eb[j] * inv_l)
+                        cute.arch.sync_warp()
+                        if lane == 0:
+                            cute.arch.mbarrier_arrive(empty + sj)
 
             if cutlass.const_expr(self.cfg.debug_timeline):
                 tl[6] = cute.arch.clock64()
@@ -665,6 +696,8 @@ class AttnResSm90:
         cb64 = Int64(cbase)
         # slots in the ring at this H (>= 2: the ring holds two max-size segments)
         n_st = cutlass.min(self.ring_elems // seg, self.max_stages)
+        if cutlass.const_expr(C > 1):
+            n_st = cutlass.min(n_st, self.cfg.split_stages)
         # block sources per row (slot w is p: not loaded) and loads per row
         nsrc_b = K
         lg_mult = Float32(0.0)  # log2 of p's multiplicity
