@@ -156,13 +156,6 @@ def _bulk_g2s(dst: cute.Pointer, src: cute.Pointer, mbar: cute.Pointer, nbytes,
 
 
 @dsl_user_op
-def _bulk_prefetch_l2(src: cute.Pointer, nbytes, *, loc=None, ip=None):
-    """cp.async.bulk.prefetch.L2.global [src], n (no destination, no mbarrier)"""
-    _nvvm.cp_async_bulk_prefetch(src.to_llvm_ptr(loc=loc, ip=ip),
-                                 Int32(nbytes).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
-
-
-@dsl_user_op
 def _st_async_f32(dst: cute.Pointer, val: Float32, mbar: cute.Pointer, peer,
                   *, loc=None, ip=None):
     """st.async.shared::cluster.mbarrier::complete_tx::bytes.b32: store val at the address of
@@ -714,22 +707,6 @@ class AttnResSm90:
         nloads = nsrc_b + 1
         if has_delta != 0:
             nloads = nloads + 1
-        if cutlass.const_expr(C > 1):
-            # small M is latency: the first row's segments are requested into L2 at entry,
-            # so the ring's copies (issued once the mbarriers are initialized, ~800 cycles
-            # later) meet L2 instead of cold DRAM
-            if warp == NW and lane == 0 and cid < M and nbytes > 0:
-                r64p = Int64(cid)
-                _bulk_prefetch_l2(prefix.iterator + cute.assume(r64p * Int64(s_pre) + cb64,
-                                                                divby=_CHUNK), nbytes)
-                if has_delta != 0:
-                    _bulk_prefetch_l2(delta.iterator + cute.assume(r64p * Int64(s_del) + cb64,
-                                                                   divby=_CHUNK), nbytes)
-                for i in range(K):
-                    if i != w_idx:
-                        _bulk_prefetch_l2(blocks.iterator + cute.assume(
-                            r64p * Int64(s_bm) + Int64(i) * Int64(s_bn) + cb64, divby=_CHUNK),
-                            nbytes)
         use_batched = Int32(0)  # row_split = 1 only (row_split > 1 is always batched)
         if cutlass.const_expr(C == 1 and self.cfg.batched):
             if nloads + self.cfg.batched_min_free <= n_st:
