@@ -15,9 +15,10 @@ Structure: one producer warp issues TMA loads into an `ab_stages`-deep shared-me
 epilogue (optional fp32 addend, convert, registers -> smem -> TMA store). With the addend
 and `addend_tma` (default), a second producer warp TMA-loads each epilogue subtile of
 d[idx[l]] into a small shared-memory ring ahead of time, so the consumers read the addend
-from smem with the accumulator's own thread -> element mapping. Persistent grid; the
-clusters take the (n, m, l) tiles round robin with l slowest (`_walk`), so the few tiles of
-one batch entry run together and b[l] comes from DRAM once and from L2 for its other tiles.
+from smem with the accumulator's own thread -> element mapping. Persistent grid
+with a static scheduler whose raster walks all tiles of one batch entry l back to back, so
+b[l] comes from DRAM once and from L2 for its other tiles (contiguous runs of l per cluster
+measured ~10% slower on the H200).
 
 Where the time goes (H200 clock64 timeline, perf/timeline_lce.py, perf/NOTES.md): the
 mainloop runs at the tensor-core peak (~12.6 K cycles per 128x224x896 tile), and shared
@@ -304,12 +305,13 @@ class LceGemmSm90:
                 cpasync.CopyBulkTensorTileG2SOp(), mD, add_smem, self.epi_tile)
             add_bytes = cute.size_in_bytes(cutlass.Float32, add_smem)
 
-        # persistent grid: one cluster per (n, m) cluster tile of every batch entry, at most
-        # num_ctas CTAs; _walk deals the cluster tiles out
-        n_ctiles = cute.ceil_div(cute.ceil_div(N, bm), self.cluster_shape_mn[0]) * \
-            cute.ceil_div(cute.ceil_div(M, bn), self.cluster_shape_mn[1]) * L
-        grid = (*self.cluster_shape_mn,
-                cutlass.min(n_ctiles, self.cfg.num_ctas // self.cluster_size))
+        # tiles over (N', M', L) = (problem N, problem M, L); N' fastest, then M', then l,
+        # so the few tiles of one batch entry run together and share b[l] through L2.
+        ntiles = (cute.ceil_div(N, bm), cute.ceil_div(M, bn), L)
+        sched_params = utils.PersistentTileSchedulerParams(
+            ntiles, (*self.cluster_shape_mn, 1), 1, True)
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(
+            sched_params, self.cfg.num_ctas // self.cluster_size)
 
         @cute.struct
         class SharedStorage:
@@ -348,7 +350,7 @@ class LceGemmSm90:
         self.kernel(
             tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c,
             mD, idx, tiled_mma,
-            a_smem_staged, b_smem_staged, epi_smem_staged, tma_bytes,
+            a_smem_staged, b_smem_staged, epi_smem_staged, tma_bytes, sched_params,
             tma_atom_d, tma_d, add_smem_staged, add_bytes,
         ).launch(
             grid=grid,
@@ -361,32 +363,6 @@ class LceGemmSm90:
         )
 
     # ---------------------------------------------------------------- device side
-    @cute.jit
-    def _walk(self, mC: cute.Tensor):
-        """This cluster's tile sequence: tile j is _tile(first + j * step) for j < count.
-        Every warp role of every CTA of the cluster walks the same sequence."""
-        bm, bn, _ = self.cta_tile
-        cn, cm = self.cluster_shape_mn
-        nc = cute.ceil_div(cute.ceil_div(mC.shape[0], bm), cn)
-        mc = cute.ceil_div(cute.ceil_div(mC.shape[1], bn), cm)
-        total = nc * mc * mC.shape[2]
-        g = cute.arch.grid_dim()[2]
-        k = cute.arch.block_idx()[2]
-        # round robin: the clusters run the tiles of a few consecutive batch entries at a
-        # time, so b[l] comes from DRAM once and from L2 for its other (n, m) tiles
-        # (contiguous runs of l per cluster measured ~10% slower on the H200)
-        count = (total - k + g - 1) // g
-        return k, g, count, nc, mc
-
-    @cute.jit
-    def _tile(self, i, nc, mc, cluster_coord):
-        """(n tile, m tile, l) of cluster tile i for this CTA of the cluster."""
-        cn, cm = self.cluster_shape_mn
-        n_c = i % nc
-        m_c = (i // nc) % mc
-        l = i // (nc * mc)
-        return (n_c * cn + cluster_coord[0], m_c * cm + cluster_coord[1], l)
-
     @cute.jit
     def _load_addend(self, thr_copy_r2s, cC_t, gD, extent_nm, ecrd, dst):
         """dst[v] = d value for register v of epilogue subtile ecrd (0 outside M x N).
@@ -415,6 +391,7 @@ class LceGemmSm90:
         b_smem_staged: cute.ComposedLayout,
         epi_smem_staged: cute.ComposedLayout,
         tma_bytes: cutlass.Constexpr,
+        sched_params: utils.PersistentTileSchedulerParams,
         tma_atom_d,
         mD_tma,
         add_smem_staged,
@@ -513,7 +490,6 @@ class LceGemmSm90:
         acc = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
 
         k_tile_cnt = cute.size(gA, mode=[3])
-        w_first, w_step, w_count, w_nc, w_mc = self._walk(mC)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
 
@@ -522,10 +498,13 @@ class LceGemmSm90:
 
         # ------------------------------------------------------------ producer warp
         if warp_idx == self.load_warp_id:
+            sched = utils.StaticPersistentTileScheduler.create(
+                sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
             prod_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Producer, self.ab_stages)
-            for j in range(w_count):
-                tc = self._tile(w_first + j * w_step, w_nc, w_mc, cluster_coord)
+            while work.is_valid_tile:
+                tc = work.tile_idx
                 tAgA_t = tAgA[(None, tc[0], None, tc[2])]
                 tBgB_t = tBgB[(None, tc[1], None, tc[2])]
                 # count = k-tile index within this tile; index/phase keep running
@@ -541,6 +520,8 @@ class LceGemmSm90:
                               tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
                     ab_pipeline.producer_commit(prod_state)
                     prod_state.advance()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
             # keep the CTA alive until consumers released every stage (multicast peers
             # may still be writing into our smem otherwise)
             ab_pipeline.producer_tail(prod_state)
@@ -562,10 +543,13 @@ class LceGemmSm90:
                 if cutlass.const_expr(self.cfg.pdl):
                     # d is written by the previous grid (the user phase)
                     cute.arch.griddepcontrol_wait()
+                sched = utils.StaticPersistentTileScheduler.create(
+                    sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+                work = sched.initial_work_tile_info()
                 add_prod_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.addend_stages)
-                for j in range(w_count):
-                    tc = self._tile(w_first + j * w_step, w_nc, w_mc, cluster_coord)
+                while work.is_valid_tile:
+                    tc = work.tile_idx
                     u = idx[tc[2]]
                     gD_epi = cute.zipped_divide(
                         gD_tma[(None, None, tc[0], tc[1], u)], self.epi_tile)
@@ -579,6 +563,8 @@ class LceGemmSm90:
                                   tma_bar_ptr=add_pipeline.producer_get_barrier(add_prod_state))
                         add_pipeline.producer_commit(add_prod_state)
                         add_prod_state.advance()
+                    sched.advance_to_next_work()
+                    work = sched.get_current_work()
                 # every stage released: no TMA write into smem outlives this warp
                 add_pipeline.producer_tail(add_prod_state)
 
@@ -586,6 +572,9 @@ class LceGemmSm90:
         if wg_idx > 0:
             cute.arch.setmaxregister_increase(self.mma_regs)
             mma_tidx = tidx - self.num_threads_per_wg
+            sched = utils.StaticPersistentTileScheduler.create(
+                sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
             read_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(
@@ -637,11 +626,14 @@ class LceGemmSm90:
                     cute.recast_ptr(mD.iterator + cutlass.Int64(mD.shape[2] - 1) *
                                     cutlass.Int64(mD.stride[2]), dtype=cutlass.Int32),
                     cute.make_layout(1 << 16))
-            for j in range(w_count):
-                tc = self._tile(w_first + j * w_step, w_nc, w_mc, cluster_coord)
-                tl_slot = (tl_cta * 32 + j) * 8
-                tl_on = (mma_tidx == 0) & (j < 32)
+            while work.is_valid_tile:
+                tc = work.tile_idx
+                j = sched.num_tiles_executed  # tiles this CTA finished so far
+                tl_slot = 0
+                tl_on = False
                 if cutlass.const_expr(dbg):
+                    tl_slot = (tl_cta * 32 + j) * 8
+                    tl_on = (mma_tidx == 0) & (j < 32)
                     if tl_on:
                         tl[tl_slot] = cutlass.Int32(cute.arch.clock64() - t_base)
                 # addend rows of this batch entry; idx is read before the mainloop so its
@@ -745,6 +737,9 @@ class LceGemmSm90:
                     if cutlass.const_expr(dbg):
                         if tl_on:
                             tl[tl_slot + 4] = cutlass.Int32(cute.arch.clock64() - t_base)
+
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
 
             if warp_idx == self.epi_store_warp_id:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
