@@ -70,23 +70,12 @@ class LceSm90Config:
     cluster_n: CTAs per cluster along problem N; > 1 multicasts the weight (a) tile, the
         larger of the two per-stage loads, to CTAs that share it (halves its L2 reads).
     cluster_m: CTAs per cluster along problem M; > 1 multicasts the b tile.
-    cluster_l: 2 pairs the CTAs of a cluster along the batch instead (tiles (n, m, l) and
-        (n, m, l + 1), cluster_n = cluster_m = 1): the weight tile is multicast as with
-        cluster_n = 2, and so is the addend subtile whenever both batch entries belong to the
-        same user (most pairs), which halves the addend's L2 reads. TMA addend only.
     num_ctas: persistent grid size cap (132 SMs on H100 SXM / H200).
     pdl: programmatic dependent launch between the two phases: the user phase (no addend)
         lets the next kernel launch as soon as all its CTAs run, and the candidate phase is
         launched so it may start early. Its CTAs that find a free SM begin their mainloops
         while the user phase runs; only the warp that reads the addend waits
         (griddepcontrol.wait) for the user phase to finish.
-    partials_frag: the fp32 partials d between the two phases are kept in this design's
-        accumulator-fragment order instead of (U, M, N): the user phase (no addend, fp32
-        output) writes each consumer thread's accumulator registers as one contiguous run
-        (no shared memory, no TMA store), and the candidate phase's epilogue reads its
-        addend the same way with 16-byte loads straight into registers (no addend ring).
-        Per user the partials then take ceil(N / tile_n) * ceil(M / tile_m) * tile_n *
-        tile_m floats from d's base at user u * that (see `partials_floats`).
     debug_no_epilogue: diagnostics only (never exported by default): skip the epilogue,
         so the output is not written; times the loads and WGMMAs alone.
     debug_no_addend: diagnostics only: the epilogue neither loads nor adds the addend.
@@ -109,10 +98,8 @@ class LceSm90Config:
     addend_stages: int = 4
     cluster_n: int = 2
     cluster_m: int = 1
-    cluster_l: int = 1
     num_ctas: int = 132
     pdl: bool = True
-    partials_frag: bool = False
     debug_no_epilogue: bool = False
     debug_no_addend: bool = False
     debug_timeline: bool = False
@@ -135,7 +122,7 @@ def _fit_stages(cfg: LceSm90Config, ab_dtype, c_dtype, has_addend: bool) -> tupl
     the addend is TMA-loaded."""
     left = _SMEM_CAPACITY - _SMEM_RESERVED - cfg.ab_stages * _ab_stage_bytes(cfg, ab_dtype)
     epi_b = _epi_stage_bytes(cfg, c_dtype)
-    if not (has_addend and cfg.addend_tma and not cfg.partials_frag):
+    if not (has_addend and cfg.addend_tma):
         # 1024-byte alignment padding for each of the three buffers (conservative: every
         # buffer size is a multiple of 1024 bytes, so only the barrier block pads)
         left -= 3 * 1024
@@ -183,19 +170,12 @@ class LceGemmSm90:
         self.threads_per_cta = (1 + self.num_mma_wg) * self.num_threads_per_wg
         self.num_mma_threads = self.num_mma_wg * self.num_threads_per_wg
         # WGMMA-side cluster (M', N') = (problem N, problem M)
-        # cluster_l: the scheduler sees tiles as (N' x M', L) and the cluster as (1, 2)
-        self.l_pairs = config.cluster_l == 2
-        self.cluster_shape_mn = (1, 2) if self.l_pairs else (config.cluster_n, config.cluster_m)
-        self.cluster_size = self.cluster_shape_mn[0] * self.cluster_shape_mn[1]
+        self.cluster_shape_mn = (config.cluster_n, config.cluster_m)
+        self.cluster_size = config.cluster_n * config.cluster_m
         self.ab_stages = config.ab_stages
         self.epi_stages, self.addend_stages = _fit_stages(
             config, ab_dtype, c_dtype, self.has_addend)
-        # fragment-ordered partials: the candidate phase loads them, the user phase (fp32
-        # output, no addend) stores them
-        self.frag_load = self.has_addend and config.partials_frag
-        self.frag_store = (not has_addend and config.partials_frag
-                           and c_dtype == cutlass.Float32 and not config.debug_no_epilogue)
-        self.addend_tma = self.has_addend and config.addend_tma and not self.frag_load
+        self.addend_tma = self.has_addend and config.addend_tma
         self.epi_tile = (config.tile_n, config.epi_m)
         self.load_warp_id = 0
         self.addend_load_warp_id = 1  # idle otherwise: second warp of the producer warpgroup
@@ -224,16 +204,11 @@ class LceGemmSm90:
             return False
         if cfg.ab_stages < 2 or cfg.epi_stages < 2:
             return False
-        if has_addend and cfg.addend_tma and not cfg.partials_frag and cfg.addend_stages < 1:
+        if has_addend and cfg.addend_tma and cfg.addend_stages < 1:
             return False
         if cfg.cluster_m not in (1, 2, 4) or cfg.cluster_n not in (1, 2, 4):
             return False
-        if cfg.cluster_l not in (1, 2):
-            return False
-        if cfg.cluster_l == 2 and (cfg.cluster_m != 1 or cfg.cluster_n != 1 or cfg.partials_frag
-                                   or not cfg.addend_tma or cfg.tile_m % 16 != 0):
-            return False
-        csize = cfg.cluster_m * cfg.cluster_n * cfg.cluster_l
+        csize = cfg.cluster_m * cfg.cluster_n
         if csize > 4 or cfg.num_ctas < csize:
             return False
         # accumulator registers per consumer thread: tile_m / 2 (plus ~60 for the rest)
@@ -247,7 +222,7 @@ class LceGemmSm90:
         epi, add = _fit_stages(cfg, ab_dtype, c_dtype, bool(has_addend))
         if epi < 2:
             return False
-        if has_addend and cfg.addend_tma and not cfg.partials_frag and add < 1:
+        if has_addend and cfg.addend_tma and add < 1:
             return False
         return True
 
@@ -297,9 +272,9 @@ class LceGemmSm90:
 
         a_smem = cute.slice_(a_smem_staged, (None, None, 0))
         b_smem = cute.slice_(b_smem_staged, (None, None, 0))
-        # A (b tile) is shared by the CTAs along cluster mode 1, B (a tile) along mode 0;
-        # with l pairs only B (along mode 1, the pair)
-        mc_a, mc_b = self._mcast_counts()
+        # A (b tile) is shared by the CTAs along cluster mode 1, B (a tile) along mode 0
+        mc_a = self.cluster_shape_mn[1]
+        mc_b = self.cluster_shape_mn[0]
         tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp() if mc_a == 1
             else cpasync.CopyBulkTensorTileG2SMulticastOp(),
@@ -321,8 +296,6 @@ class LceGemmSm90:
         add_smem_staged = None
         tma_atom_d = None
         tma_d = None
-        tma_atom_dm = None
-        tma_dm = None
         add_bytes = 0
         if cutlass.const_expr(self.addend_tma):
             add_smem_staged = sm90_utils.make_smem_layout_epi(
@@ -331,19 +304,10 @@ class LceGemmSm90:
             tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SOp(), mD, add_smem, self.epi_tile)
             add_bytes = cute.size_in_bytes(cutlass.Float32, add_smem)
-            if cutlass.const_expr(self.l_pairs):
-                # each CTA of a same-user pair loads half the subtile into both CTAs
-                tma_atom_dm, tma_dm = cpasync.make_tiled_tma_atom(
-                    cpasync.CopyBulkTensorTileG2SMulticastOp(), mD, add_smem, self.epi_tile,
-                    num_multicast=2)
-
 
         # tiles over (N', M', L) = (problem N, problem M, L); N' fastest, then M', then l,
         # so the few tiles of one batch entry run together and share b[l] through L2.
         ntiles = (cute.ceil_div(N, bm), cute.ceil_div(M, bn), L)
-        if cutlass.const_expr(self.l_pairs):
-            # (N' x M' flattened, N' fastest; L): the pair shares (n, m), see _tile_nml
-            ntiles = (cute.ceil_div(N, bm) * cute.ceil_div(M, bn), L, 1)
         sched_params = utils.PersistentTileSchedulerParams(
             ntiles, (*self.cluster_shape_mn, 1), 1, True)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(
@@ -385,9 +349,9 @@ class LceGemmSm90:
 
         self.kernel(
             tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c,
-            mD, idx, mC, tiled_mma,
+            mD, idx, tiled_mma,
             a_smem_staged, b_smem_staged, epi_smem_staged, tma_bytes, sched_params,
-            tma_atom_d, tma_d, add_smem_staged, add_bytes, tma_atom_dm, tma_dm,
+            tma_atom_d, tma_d, add_smem_staged, add_bytes,
         ).launch(
             grid=grid,
             block=[self.threads_per_cta, 1, 1],
@@ -398,22 +362,7 @@ class LceGemmSm90:
             use_pdl=self.cfg.pdl and self.has_addend,
         )
 
-    def _mcast_counts(self) -> tuple:
-        """(CTAs sharing the b tile, CTAs sharing the a tile) through TMA multicast."""
-        if self.l_pairs:
-            return 1, 2
-        return self.cluster_shape_mn[1], self.cluster_shape_mn[0]
-
     # ---------------------------------------------------------------- device side
-    @cute.jit
-    def _tile_nml(self, work, n_tiles):
-        """(n', m', l) tile coordinates of a scheduler work tile."""
-        tc = work.tile_idx
-        if cutlass.const_expr(self.l_pairs):
-            nm = cutlass.Int32(tc[0])
-            tc = (nm % n_tiles, nm // n_tiles, cutlass.Int32(tc[1]))
-        return tc
-
     @cute.jit
     def _load_addend(self, thr_copy_r2s, cC_t, gD, extent_nm, ecrd, dst):
         """dst[v] = d value for register v of epilogue subtile ecrd (0 outside M x N).
@@ -437,7 +386,6 @@ class LceGemmSm90:
         mC: cute.Tensor,
         mD: cute.Tensor,
         idx: cute.Tensor,
-        mC_mem: cute.Tensor,
         tiled_mma: cute.TiledMma,
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
@@ -448,8 +396,6 @@ class LceGemmSm90:
         mD_tma,
         add_smem_staged,
         add_bytes: cutlass.Constexpr,
-        tma_atom_dm,
-        mD_tma_mc,
     ):
         bm, bn, bk = self.cta_tile
         tidx, _, _ = cute.arch.thread_idx()
@@ -470,15 +416,14 @@ class LceGemmSm90:
         cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
-        mc_a, mc_b = self._mcast_counts()
-        b_mode = 1 if cutlass.const_expr(self.l_pairs) else 0  # cluster mode sharing a's tile
+        mc_a = self.cluster_shape_mn[1]
+        mc_b = self.cluster_shape_mn[0]
         a_mcast_mask = 0
         b_mcast_mask = 0
         if cutlass.const_expr(mc_a > 1):
             a_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
         if cutlass.const_expr(mc_b > 1):
-            b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord,
-                                                       mode=b_mode)
+            b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -498,20 +443,14 @@ class LceGemmSm90:
         # addend ring (CTA-local): full barrier = 1 producer arrive + tx bytes; empty barrier =
         # ONE arrive per stage, from the epilogue store warp after the epilogue barrier that
         # all consumer threads pass only once they have read the stage
-        # (l pairs: a stage may be written by both CTAs, so each CTA's store warp releases it
-        # in both CTAs: two arrives per stage)
         add_pipeline = None
         if cutlass.const_expr(self.addend_tma):
             add_pipeline = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.add_mbar.data_ptr(),
                 num_stages=self.addend_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         self.cluster_size if cutlass.const_expr(
-                                                             self.l_pairs) else 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
                 tx_count=add_bytes,
-                cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape))
-                if cutlass.const_expr(self.l_pairs) else None,
                 defer_sync=True,
             )
         pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
@@ -532,20 +471,12 @@ class LceGemmSm90:
 
         # A is split across the cluster's CTAs along M' and multicast to all of them
         a_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape)
-        a_cta_crd = cluster_coord[1]
-        b_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape)
-        b_cta_crd = cluster_coord[0]
-        if cutlass.const_expr(self.l_pairs):
-            # the b tile is the CTA's own; the a tile is split over (and sent to) the pair
-            a_cta_layout = cute.make_layout(1)
-            a_cta_crd = 0
-            b_cta_layout = cute.make_layout(2)
-            b_cta_crd = cluster_coord[1]
         tAsA, tAgA = cpasync.tma_partition(
-            tma_atom_a, a_cta_crd, a_cta_layout,
+            tma_atom_a, cluster_coord[1], a_cta_layout,
             cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        b_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape)
         tBsB, tBgB = cpasync.tma_partition(
-            tma_atom_b, b_cta_crd, b_cta_layout,
+            tma_atom_b, cluster_coord[0], b_cta_layout,
             cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
 
         wg_idx = cute.arch.make_warp_uniform(tidx // self.num_threads_per_wg)
@@ -559,8 +490,6 @@ class LceGemmSm90:
         acc = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
 
         k_tile_cnt = cute.size(gA, mode=[3])
-        n_tiles = cute.ceil_div(mC.shape[0], bm)
-        num_l = mC.shape[2]
 
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
 
@@ -575,7 +504,7 @@ class LceGemmSm90:
             prod_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Producer, self.ab_stages)
             while work.is_valid_tile:
-                tc = self._tile_nml(work, n_tiles)
+                tc = work.tile_idx
                 tAgA_t = tAgA[(None, tc[0], None, tc[2])]
                 tBgB_t = tBgB[(None, tc[1], None, tc[2])]
                 # count = k-tile index within this tile; index/phase keep running
@@ -611,12 +540,6 @@ class LceGemmSm90:
             if warp_idx == self.addend_load_warp_id:
                 # (bm, bn, RestN', RestM', U)
                 gD_tma = cute.local_tile(mD_tma, (bm, bn), (None, None, None))
-                gD_tma_mc = None
-                d_mcast_mask = 0
-                if cutlass.const_expr(self.l_pairs):
-                    gD_tma_mc = cute.local_tile(mD_tma_mc, (bm, bn), (None, None, None))
-                    d_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord,
-                                                               mode=1)
                 if cutlass.const_expr(self.cfg.pdl):
                     # d is written by the previous grid (the user phase)
                     cute.arch.griddepcontrol_wait()
@@ -626,43 +549,18 @@ class LceGemmSm90:
                 add_prod_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.addend_stages)
                 while work.is_valid_tile:
-                    tc = self._tile_nml(work, n_tiles)
-                    # (l pairs with an odd L: the last pair's second CTA runs a tile past L,
-                    # whose loads TMA zero-fills and whose store it drops)
-                    u = idx[cutlass.min(tc[2], num_l - 1)]
+                    tc = work.tile_idx
+                    u = idx[tc[2]]
                     gD_epi = cute.zipped_divide(
                         gD_tma[(None, None, tc[0], tc[1], u)], self.epi_tile)
                     bGS_sD, bGS_gD = cpasync.tma_partition(
                         tma_atom_d, 0, cute.make_layout(1),
                         cute.group_modes(sAdd, 0, 2), gD_epi)
-                    same_user = cutlass.Boolean(False)
-                    bGS_sDm = None
-                    bGS_gDm = None
-                    if cutlass.const_expr(self.l_pairs):
-                        l0 = tc[2] - cluster_coord[1]
-                        same_user = idx[cutlass.min(l0, num_l - 1)] == \
-                            idx[cutlass.min(l0 + 1, num_l - 1)]
-                        bGS_sDm, bGS_gDm = cpasync.tma_partition(
-                            tma_atom_dm, cluster_coord[1], cute.make_layout(2),
-                            cute.group_modes(sAdd, 0, 2),
-                            cute.zipped_divide(gD_tma_mc[(None, None, tc[0], tc[1], u)],
-                                               self.epi_tile))
                     for e in cutlass.range_constexpr(epi_num):
                         add_pipeline.producer_acquire(add_prod_state)
-                        bar = add_pipeline.producer_get_barrier(add_prod_state)
-                        ecrd = epi_order.get_hier_coord(e)
-                        if cutlass.const_expr(self.l_pairs):
-                            if same_user:
-                                # half the subtile each, into both CTAs
-                                cute.copy(tma_atom_dm, bGS_gDm[(None, ecrd)],
-                                          bGS_sDm[(None, add_prod_state.index)],
-                                          tma_bar_ptr=bar, mcast_mask=d_mcast_mask)
-                            else:
-                                cute.copy(tma_atom_d, bGS_gD[(None, ecrd)],
-                                          bGS_sD[(None, add_prod_state.index)], tma_bar_ptr=bar)
-                        else:
-                            cute.copy(tma_atom_d, bGS_gD[(None, ecrd)],
-                                      bGS_sD[(None, add_prod_state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_atom_d, bGS_gD[(None, epi_order.get_hier_coord(e))],
+                                  bGS_sD[(None, add_prod_state.index)],
+                                  tma_bar_ptr=add_pipeline.producer_get_barrier(add_prod_state))
                         add_pipeline.producer_commit(add_prod_state)
                         add_prod_state.advance()
                     sched.advance_to_next_work()
@@ -715,7 +613,7 @@ class LceGemmSm90:
                 tRS_sAdd = thr_copy_r2s.partition_S(sAdd)  # (R2S, R2S_M, R2S_N, ADD_STAGE)
                 add_cons_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, self.addend_stages)
-            use_ldg_addend = self.has_addend and not self.addend_tma and not self.frag_load
+            use_ldg_addend = self.has_addend and not self.addend_tma
             if cutlass.const_expr(self.cfg.pdl and use_ldg_addend):
                 cute.arch.griddepcontrol_wait()  # these threads read d, the user phase's output
             dbg = self.cfg.debug_timeline
@@ -728,27 +626,8 @@ class LceGemmSm90:
                     cute.recast_ptr(mD.iterator + cutlass.Int64(mD.shape[2] - 1) *
                                     cutlass.Int64(mD.stride[2]), dtype=cutlass.Int32),
                     cute.make_layout(1 << 16))
-            # fragment-ordered partials (cfg.partials_frag): per user, per tile, per
-            # consumer thread one contiguous run of its accumulator registers, in the
-            # epilogue's order (subtile e holds registers e * size_rD ...)
-            gF = None
-            rF = None
-            frag_nt = cute.ceil_div(mC.shape[0], bm)
-            if cutlass.const_expr(self.frag_load or self.frag_store):
-                frag_len = size_rD * epi_num
-                per_tile = self.num_mma_threads * frag_len
-                frag_tiles = frag_nt * cute.ceil_div(mC.shape[1], bn)
-                f_base = mD if cutlass.const_expr(self.frag_load) else mC_mem
-                gF = cute.make_tensor(
-                    f_base.iterator,
-                    cute.make_layout(
-                        (size_rD, epi_num, self.num_mma_threads, frag_tiles, 1 << 24),
-                        stride=(1, size_rD, frag_len, per_tile,
-                                cute.assume(cutlass.Int64(frag_tiles) * per_tile,
-                                            divby=per_tile))))
-                rF = [cute.make_rmem_tensor((size_rD,), self.acc_dtype) for _ in range(2)]
             while work.is_valid_tile:
-                tc = self._tile_nml(work, n_tiles)
+                tc = work.tile_idx
                 j = sched.num_tiles_executed  # tiles this CTA finished so far
                 tl_slot = 0
                 tl_on = False
@@ -789,18 +668,6 @@ class LceGemmSm90:
                     # first addend subtile loads overlap the last WGMMA
                     self._load_addend(thr_copy_r2s, cC_t, gD, extent_nm,
                                       epi_order.get_hier_coord(0), rAdd[0])
-                gF_t = None
-                if cutlass.const_expr(self.frag_load or self.frag_store):
-                    f_l = tc[2]
-                    if cutlass.const_expr(self.frag_load):
-                        f_l = idx[tc[2]]
-                    gF_t = gF[(None, None, mma_tidx, tc[0] + tc[1] * frag_nt, f_l)]
-                if cutlass.const_expr(self.frag_load):
-                    if cutlass.const_expr(self.cfg.pdl):
-                        # d is the user phase's output (a no-op once that grid is done)
-                        cute.arch.griddepcontrol_wait()
-                    # first addend subtile loads overlap the last WGMMA
-                    cute.autovec_copy(gF_t[(None, 0)], rF[0])
                 warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
@@ -813,13 +680,7 @@ class LceGemmSm90:
                     # keep the accumulator (and so the WGMMAs) alive
                     if acc[0] == cutlass.Float32(-1.25e-37):
                         mD[(0, 0, 0)] = acc[0]
-                if cutlass.const_expr(self.frag_store):
-                    # the user phase: registers straight to the partials, 16-byte stores
-                    for e in cutlass.range_constexpr(epi_num):
-                        for v in cutlass.range_constexpr(size_rD):
-                            rF[0][v] = tRS_rAcc[e * size_rD + v]
-                        cute.autovec_copy(rF[0], gF_t[(None, e)])
-                if cutlass.const_expr(not self.cfg.debug_no_epilogue and not self.frag_store):
+                if cutlass.const_expr(not self.cfg.debug_no_epilogue):
                     gC_t = gC[(None, None, tc[0], tc[1], tc[2])]
                     gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
                     bSG_sC, bSG_gC = cpasync.tma_partition(
@@ -841,12 +702,6 @@ class LceGemmSm90:
                             sAdd_e = tRS_sAdd[(None, None, None, add_cons_state.index)]
                             for v in cutlass.range_constexpr(size_rD):
                                 tRS_rD[v] = tRS_rD[v] + sAdd_e[v]
-                        if cutlass.const_expr(self.frag_load):
-                            # loads for the next subtile fly while this one is stored
-                            if cutlass.const_expr(e + 1 < epi_num):
-                                cute.autovec_copy(gF_t[(None, e + 1)], rF[(e + 1) % 2])
-                            for v in cutlass.range_constexpr(size_rD):
-                                tRS_rD[v] = tRS_rD[v] + rF[e % 2][v]
                         if cutlass.const_expr(use_ldg_addend):
                             # loads for the next subtile fly while this one is stored
                             if cutlass.const_expr(e + 1 < epi_num):
