@@ -100,6 +100,21 @@ def test_lce_sm90_phases_overlap_through_pdl(exported):
     assert seen == {True, False}
 
 
+def test_bgmv_sm90_expand_overlaps_shrink_through_pdl(exported):
+    """The sm_90a shrink lets the expand launch early (PREEXIT) and the expand waits for it
+    (ACQBULK) before it reads s; without the wait s could be read before it is written."""
+    out, manifest = exported
+    seen = set()
+    for e in manifest["kernels"]:
+        if e["design"] != "sm90" or e["arch"] != "sm_90a" or not e["op"].startswith("bgmv_"):
+            continue
+        ops = _opcodes((out / e["object"]).with_suffix(".sass").read_text())
+        want = "PREEXIT" if e["op"] == "bgmv_shrink" else "ACQBULK"
+        assert want in ops, f"{e['prefix']}: {want} missing"
+        seen.add(e["op"])
+    assert seen == {"bgmv_shrink", "bgmv_expand"}
+
+
 _STRUCT = re.compile(r"typedef struct \{\s*void \*data;\s*int32_t dynamic_shapes\[(\d+)\];"
                      r"(?:\s*int64_t dynamic_strides\[(\d+)\];)?\s*\}\s*(\w+)_Tensor_(\w+)_t;")
 _WRAPPER = re.compile(r"cute_dsl_(\w+)_wrapper\(\w+_Kernel_Module_t \*module, ([^)]*)\)")

@@ -77,7 +77,11 @@ class BgmvExpandSm90Config:
     num_sms, ctas_per_sm: grid size = min(work items, num_sms * ctas_per_sm). The default
     cap is far above any work-item count, i.e. one CTA per work item: the hardware block
     scheduler then balances bins of very uneven size (H200, T=256..2048: 11-14% faster than a
-    persistent grid of num_sms=132; perf/results/tune_memops_h200_grid.json)."""
+    persistent grid of num_sms=132; perf/results/tune_memops_h200_grid.json).
+    pdl: the pair kernel (small T) is launched with programmatic stream serialization: it
+        may start while the previous kernel (a plan's shrink) still runs, issues its b
+        loads (inputs only) and waits (griddepcontrol.wait) before it loads s. After any
+        kernel that does not trigger early it simply starts when that kernel ends."""
 
     cols_per_lane: int = 2
     num_sms: int = 65536
@@ -93,6 +97,7 @@ class BgmvExpandSm90Config:
     bin_ctas_per_sm: int = 2
     fin_threads: int = 128         # finalize pass: 4 columns per thread
     fin_ctas_per_sm: int = 8
+    pdl: bool = True
 
 
 class BgmvExpandSm90:
@@ -162,7 +167,8 @@ class BgmvExpandSm90:
             grid = cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm)
             grid = cutlass.max(grid, 1)
             self.kernel(s, b, topk_ids, lora, topk_w, y).launch(
-                grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
+                grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+                use_pdl=cfg.pdl)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -212,13 +218,18 @@ class BgmvExpandSm90:
                 if live:
                     sf = cute.make_rmem_tensor((_VEC, _MAX_RV), self.dtype)
                     bf = cute.make_rmem_tensor((_VEC, _MAX_RV, NC), self.dtype)
-                    # issue every load of the pair first
+                    # issue every load of the pair first: b (an input) before the wait for
+                    # the kernel that writes s (cfg.pdl; a no-op once that kernel is done)
                     for qv in cutlass.range_constexpr(_MAX_RV):
                         if qv < nrv:
-                            cute.copy(vec_atom, sv[(None, (p, qv))], sf[None, qv])
                             for i in cutlass.range_constexpr(NC):
                                 n = cutlass.min(n0 + 32 * i + lane, N - 1)
                                 cute.copy(vec_atom, bv[(None, (lo, ex, n, qv))], bf[None, qv, i])
+                    if cutlass.const_expr(self.cfg.pdl):
+                        cute.arch.griddepcontrol_wait()
+                    for qv in cutlass.range_constexpr(_MAX_RV):
+                        if qv < nrv:
+                            cute.copy(vec_atom, sv[(None, (p, qv))], sf[None, qv])
                     # d[n] = FMA chain over q = 0 .. R-1
                     for qv in cutlass.range_constexpr(_MAX_RV):
                         if qv < nrv:

@@ -81,7 +81,10 @@ class BgmvShrinkSm90Config:
     num_sms, ctas_per_sm: grid size = min(work items, num_sms * ctas_per_sm). The default
     cap is far above any work-item count, i.e. one CTA per work item: the hardware block
     scheduler then balances bins of very uneven size (H200, T=256..2048: 11-14% faster than a
-    persistent grid of num_sms=132; perf/results/tune_memops_h200_grid.json)."""
+    persistent grid of num_sms=132; perf/results/tune_memops_h200_grid.json).
+    pdl: the pair kernel (small T) lets the next kernel in the stream launch as soon as all
+        its CTAs run (griddepcontrol.launch_dependents): the expand of a plan then loads its
+        B weights while this kernel runs and waits for s (see BgmvExpandSm90Config.pdl)."""
 
     warps: int = 4
     group: int = 4
@@ -101,6 +104,7 @@ class BgmvShrinkSm90Config:
     bin_stages: int = 4            # cp.async ring depth
     bin_scan_unroll: int = 8       # pair-table entries per thread per scan round
     bin_ctas_per_sm: int = 2
+    pdl: bool = True
 
 
 class BgmvShrinkSm90:
@@ -185,6 +189,9 @@ class BgmvShrinkSm90:
                lora: cute.Tensor, order: cute.Tensor, s: cute.Tensor):
         cfg = self.cfg
         Q = order.shape[0]
+        if cutlass.const_expr(cfg.pdl):
+            # a dependent kernel waits (griddepcontrol.wait) before it reads s
+            cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.small_only):
             self.run_items(x, a, topk_ids, lora, order, s, 1, 1, cfg.small_unroll)
         else:
