@@ -183,11 +183,23 @@ def _expand_weights(topk_weights, finalize, t, k, dev):
     return topk_weights if finalize else torch.zeros(t, k, dtype=torch.float32, device=dev)
 
 
+def _expand_function(dtype, finalize, device, after_shrink):
+    """``after_shrink``: launched right after this module's shrink (a plan), so a design
+    that has such a variant may overlap the two (sm90: PDL, kernels/CONTRACT_BGMV.md)."""
+    from .arch import target_arch, target_design
+    from .dispatch import get_function
+    from .registry import OPS
+    flags = {"finalize": bool(finalize)}
+    design = target_design(target_arch(device))
+    if any("after_shrink" in dict(f) for _, f in OPS["bgmv_expand"].variants_for(design)):
+        flags["after_shrink"] = bool(after_shrink)
+    return get_function("bgmv_expand", {"dtype": _DTYPES[dtype]}, flags, device)
+
+
 def _functions(dtype, finalize, device):
     from .dispatch import get_function
-    dt = {"dtype": _DTYPES[dtype]}
-    return (get_function("bgmv_shrink", dt, {}, device),
-            get_function("bgmv_expand", dt, {"finalize": bool(finalize)}, device))
+    return (get_function("bgmv_shrink", {"dtype": _DTYPES[dtype]}, {}, device),
+            _expand_function(dtype, finalize, device, after_shrink=True))
 
 
 class BgmvMoePlan:
@@ -321,8 +333,7 @@ def _expand_impl(s, lora_b, topk_ids, lora_indices, topk_weights, finalize, out,
     y = out if out is not None else torch.empty(shape, dtype=torch.float32, device=s.device)
     if t == 0:
         return y
-    from .dispatch import get_function
-    fn = get_function("bgmv_expand", {"dtype": _DTYPES[s.dtype]}, {"finalize": bool(finalize)}, s.device)
+    fn = _expand_function(s.dtype, finalize, s.device, after_shrink=False)
     fn(s, lora_b, topk_ids, lora_indices, _expand_weights(topk_weights, finalize, t, k, s.device),
        y, _workspace(fn, t * k, n, finalize, y, s.device))
     return y

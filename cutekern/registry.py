@@ -98,9 +98,14 @@ def _bgmv_shrink_variants():
     return tuple(((("dtype", dt),), ()) for dt in ("float16", "bfloat16"))
 
 
-def _bgmv_expand_variants():
-    return tuple(((("dtype", dt),), (("finalize", f),))
-                 for dt in ("float16", "bfloat16") for f in (True, False))
+def _bgmv_expand_variants(after_shrink=(False,)):
+    # after_shrink (sm90 only): the variant a plan launches right after its own shrink,
+    # which may overlap that shrink through PDL (kernels/CONTRACT_BGMV.md, v2.2)
+    if after_shrink == (False,):
+        return tuple(((("dtype", dt),), (("finalize", f),))
+                     for dt in ("float16", "bfloat16") for f in (True, False))
+    return tuple(((("dtype", dt),), (("finalize", f), ("after_shrink", a)))
+                 for dt in ("float16", "bfloat16") for f in (True, False) for a in after_shrink)
 
 
 OPS: dict = {
@@ -142,7 +147,10 @@ OPS: dict = {
         abi=_abi.bgmv_expand_abi,
         designs=_impls("bgmv_expand", "BgmvExpand", "BgmvExpand"),
         variants=_bgmv_expand_variants(),
-        make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["finalize"], cfg),
+        design_variants=(("sm90", _bgmv_expand_variants((False, True))),),
+        make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["finalize"], cfg,
+                                      **({"after_shrink": fl["after_shrink"]}
+                                         if "after_shrink" in fl else {})),
         doc="MoE-LoRA expand: fixed-order weighted sum over a token's pairs, one owner per output",
     ),
 }

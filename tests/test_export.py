@@ -101,18 +101,24 @@ def test_lce_sm90_phases_overlap_through_pdl(exported):
 
 
 def test_bgmv_sm90_expand_overlaps_shrink_through_pdl(exported):
-    """The sm_90a shrink lets the expand launch early (PREEXIT) and the expand waits for it
-    (ACQBULK) before it reads s; without the wait s could be read before it is written."""
+    """The sm_90a shrink lets the next kernel launch early (PREEXIT); the expand variant a
+    plan launches after it waits for it (ACQBULK) before it reads s, and the stand-alone
+    expand (launched after an arbitrary kernel) has no PDL wait because it is launched
+    without PDL (it must not start early at all)."""
     out, manifest = exported
     seen = set()
     for e in manifest["kernels"]:
         if e["design"] != "sm90" or e["arch"] != "sm_90a" or not e["op"].startswith("bgmv_"):
             continue
         ops = _opcodes((out / e["object"]).with_suffix(".sass").read_text())
-        want = "PREEXIT" if e["op"] == "bgmv_shrink" else "ACQBULK"
-        assert want in ops, f"{e['prefix']}: {want} missing"
-        seen.add(e["op"])
-    assert seen == {"bgmv_shrink", "bgmv_expand"}
+        if e["op"] == "bgmv_shrink":
+            assert "PREEXIT" in ops, f"{e['prefix']}: PREEXIT missing"
+            seen.add("shrink")
+        else:
+            plan = e["flags"]["after_shrink"]
+            assert ("ACQBULK" in ops) == plan, f"{e['prefix']}: ACQBULK {'missing' if plan else 'present'}"
+            seen.add(f"expand after_shrink={plan}")
+    assert seen == {"shrink", "expand after_shrink=True", "expand after_shrink=False"}
 
 
 _STRUCT = re.compile(r"typedef struct \{\s*void \*data;\s*int32_t dynamic_shapes\[(\d+)\];"

@@ -78,10 +78,14 @@ class BgmvExpandSm90Config:
     cap is far above any work-item count, i.e. one CTA per work item: the hardware block
     scheduler then balances bins of very uneven size (H200, T=256..2048: 11-14% faster than a
     persistent grid of num_sms=132; perf/results/tune_memops_h200_grid.json).
-    pdl: the pair kernel (small T) is launched with programmatic stream serialization: it
-        may start while the previous kernel (a plan's shrink) still runs, issues its b
-        loads (inputs only) and waits (griddepcontrol.wait) before it loads s. After any
-        kernel that does not trigger early it simply starts when that kernel ends."""
+    pdl: variants built with after_shrink=True (the ones a plan launches right after its
+        own shrink): the pair kernel (small T) is launched with programmatic stream
+        serialization, so it may start while that shrink still runs; it issues its b loads
+        (the routing and b are inputs that the shrink does not write) and waits
+        (griddepcontrol.wait) before it loads s. Measured on the H200 against prefetching b
+        into L2 before the wait and loading everything after it (which would be safe after
+        any kernel): 0.5-1.2 us faster at T <= 32 (perf/results/tune_memops_h200_bgmv_pdl.json).
+        The stand-alone expand (after_shrink=False) is launched without PDL."""
 
     cols_per_lane: int = 2
     num_sms: int = 65536
@@ -102,12 +106,14 @@ class BgmvExpandSm90Config:
 
 class BgmvExpandSm90:
     def __init__(self, dtype, finalize: bool,
-                 config: BgmvExpandSm90Config = BgmvExpandSm90Config()):
+                 config: BgmvExpandSm90Config = BgmvExpandSm90Config(), after_shrink: bool = False):
         if not BgmvExpandSm90.can_implement(dtype, config):
             raise ValueError(f"BgmvExpandSm90 cannot implement {dtype} with {config}")
         self.dtype = dtype
         self.finalize = bool(finalize)
         self.cfg = config
+        # PDL only where the kernel before is known to be the plan's shrink (see cfg.pdl)
+        self.pdl = config.pdl and bool(after_shrink)
         self.NC = config.cols_per_lane
         self.CN = 32 * config.cols_per_lane
         self.num_threads = 32 * _MAX_K
@@ -168,7 +174,7 @@ class BgmvExpandSm90:
             grid = cutlass.max(grid, 1)
             self.kernel(s, b, topk_ids, lora, topk_w, y).launch(
                 grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
-                use_pdl=cfg.pdl)
+                use_pdl=self.pdl)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -219,13 +225,13 @@ class BgmvExpandSm90:
                     sf = cute.make_rmem_tensor((_VEC, _MAX_RV), self.dtype)
                     bf = cute.make_rmem_tensor((_VEC, _MAX_RV, NC), self.dtype)
                     # issue every load of the pair first: b (an input) before the wait for
-                    # the kernel that writes s (cfg.pdl; a no-op once that kernel is done)
+                    # the shrink that writes s (self.pdl; a no-op once that kernel is done)
                     for qv in cutlass.range_constexpr(_MAX_RV):
                         if qv < nrv:
                             for i in cutlass.range_constexpr(NC):
                                 n = cutlass.min(n0 + 32 * i + lane, N - 1)
                                 cute.copy(vec_atom, bv[(None, (lo, ex, n, qv))], bf[None, qv, i])
-                    if cutlass.const_expr(self.cfg.pdl):
+                    if cutlass.const_expr(self.pdl):
                         cute.arch.griddepcontrol_wait()
                     for qv in cutlass.range_constexpr(_MAX_RV):
                         if qv < nrv:
