@@ -207,6 +207,7 @@ class BgmvExpandSm90:
             sd = smem.allocate_tensor(cutlass.Float32,
                                       cute.make_layout((CN, _MAX_K), stride=(1, CN)), 16)
             slive = smem.allocate_tensor(cutlass.Int32, cute.make_layout((_MAX_K,)), 16)
+            sw = smem.allocate_tensor(cutlass.Float32, cute.make_layout((_MAX_K,)), 16)
 
         for w in cutlass.range(bid, items, nblk):
             c = w // T
@@ -218,7 +219,12 @@ class BgmvExpandSm90:
             live = cutlass.Boolean(False)
             d = cute.make_rmem_tensor((NC,), cutlass.Float32)
             d.fill(0.0)
+            wj = cutlass.Float32(0.0)
             if j < K:
+                if cutlass.const_expr(self.finalize):
+                    # the routing weight is loaded with the routing (off the critical path
+                    # that starts at the wait) and handed to the finalize through smem
+                    wj = topk_w[t, j]
                 ex = topk_ids[t, j]
                 live = (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)
                 if live:
@@ -254,13 +260,14 @@ class BgmvExpandSm90:
                     sd[32 * i + lane, j] = d[i]
                 if lane == 0:
                     slive[j] = cutlass.Int32(live)
+                    sw[j] = wj
                 cute.arch.sync_threads()
                 if tidx < CN:
                     n = n0 + tidx
                     out = cutlass.Float32(0.0)
                     for jj in cutlass.range(K):
                         if slive[jj] != 0:
-                            out = out + topk_w[t, jj] * sd[tidx, jj]
+                            out = out + sw[jj] * sd[tidx, jj]
                     if n < N:
                         y[t, n] = out
                 # the next item rewrites sd / slive
