@@ -143,8 +143,9 @@ def _compile_into(key: KernelKey, out: Path) -> dict:
     (out / "kernel.sass").write_text(sass)
     shutil.rmtree(dump)
     found = sass_opcodes(sass)
-    required = tuple(getattr(mod, "SASS_REQUIRED", ()))
-    forbidden = tuple(getattr(mod, "SASS_FORBIDDEN", ()))
+    # a kernel object may declare its own fingerprints (a variant with another fast path)
+    required = tuple(getattr(kern, "sass_required", getattr(mod, "SASS_REQUIRED", ())))
+    forbidden = tuple(getattr(kern, "sass_forbidden", getattr(mod, "SASS_FORBIDDEN", ())))
     meta = {
         **key.as_dict(), "prefix": key.prefix, "digest": key.digest,
         "dsl_version": dsl_version(), "source_hash": source_hash(key.op, key.design),

@@ -54,6 +54,10 @@ from cutlass._mlir.dialects import nvvm as _nvvm
 # No LDGSTS (cp.async 16 B path), no local memory (LDL/STL = register spills).
 SASS_REQUIRED = ("UBLKCP", "SYNCS")
 SASS_FORBIDDEN = ("LDGSTS", "LDL", "STL")
+# split_direct variants: 16-byte loads straight to registers (LDG) and the DSMEM exchange's
+# mbarriers (SYNCS); no ring, so no bulk copies either
+SASS_REQUIRED_DIRECT = ("LDG", "SYNCS")
+SASS_FORBIDDEN_DIRECT = ("LDGSTS", "UBLKCP", "LDL", "STL")
 
 _SMEM_CAPACITY = 227 * 1024  # sm_90 opt-in maximum per block
 _SMEM_PER_SM = 228 * 1024  # per SM (1 KiB of it reserved per resident CTA)
@@ -91,6 +95,12 @@ class AttnResSm90Config:
     batched_min_free: row_split = 1: the batched schedule is used only when the ring has at
         least this many slots beyond one row's loads (prefetch of the next row while a row
         is mixed); otherwise the online schedule streams through the ring.
+    split_direct: row_split > 1 with at most 2 chunks per thread (the small-M kernels up to
+        the 8192 tier at split 2, the 16384 tier from split 4): no producer warp and no ring;
+        every thread loads its chunks of all of a row's sources straight into registers
+        (16-byte loads, all in flight at once) and mixes from there. Saves the ring's
+        mbarrier inits, the producer's one-by-one bulk copies and the shared-memory round
+        trips on a latency-bound path; same arithmetic, same bits.
     debug_timeline: diagnostics only, never exported by default: consumer thread 0 of the
         CTA(s) of row 0 records clock64 at the phases of the batched schedule and writes the
         cycle counts over the first 64 bytes of its segment of out[0]
@@ -102,6 +112,7 @@ class AttnResSm90Config:
     ring_kb: int = 224
     max_stages: int = 32
     split_stages: int = 12
+    split_direct: bool = True
     num_sms: int = 132
     ctas_per_sm: int = 1
     batched: bool = True
@@ -182,8 +193,12 @@ class AttnResSm90:
         # (score pass, then mix pass) instead of held in registers across the reduction
         self.reread = self.wq_smem
         self.num_threads_c = self.num_warps_c * 32
-        self.threads_per_cta = self.num_threads_c + 32
-        self.ring_elems = ring_bytes // 2
+        # split kernels with few chunks per thread: sources straight to registers (no ring)
+        self.direct = row_split > 1 and self.cpt <= 2 and config.split_direct
+        self.threads_per_cta = self.num_threads_c + (0 if self.direct else 32)
+        if self.direct:
+            self.sass_required, self.sass_forbidden = SASS_REQUIRED_DIRECT, SASS_FORBIDDEN_DIRECT
+        self.ring_elems = 64 if self.direct else ring_bytes // 2
         self.wq_elems = wq_bytes // 4 if self.wq_smem else 4  # (dummy 16 B when in registers)
         self.max_stages = config.max_stages
 
@@ -650,6 +665,197 @@ class AttnResSm90:
                 tl[8] = cute.arch.clock64()
             it = it + 1
 
+    @cute.jit
+    def _load_row(self, gbase: cute.Pointer, tidx: Int32, nchunk: Int32, dst: cute.Tensor):
+        """dst[:, k] <- the thread's chunk k of the row segment at gbase (valid chunks only)."""
+        for k in cutlass.range_constexpr(self.cpt):
+            j = k * self.num_threads_c + tidx
+            if j < nchunk:
+                src = cute.make_tensor(gbase + cute.assume(j * _CHUNK, divby=_CHUNK),
+                                       cute.make_layout(_CHUNK))
+                dst[None, k].store(src.load())
+
+    @cute.jit
+    def _issue_row(self, row, prefix: cute.Tensor, delta: cute.Tensor, blocks: cute.Tensor,
+                   cbase: Int32, nchunk: Int32, w_idx: Int32, nsrc_b: Int32, has_delta: Int32,
+                   tidx: Int32, cp: cute.Tensor, cd: cute.Tensor, src):
+        """Every load of row `row` (prefix, delta, block sources), independent, in flight."""
+        r64 = Int64(row)
+        cb64 = Int64(cbase)
+        self._load_row(prefix.iterator + cute.assume(r64 * Int64(prefix.stride[0]) + cb64,
+                                                     divby=_CHUNK), tidx, nchunk, cp)
+        if has_delta != 0:
+            self._load_row(delta.iterator + cute.assume(r64 * Int64(delta.stride[0]) + cb64,
+                                                        divby=_CHUNK), tidx, nchunk, cd)
+        for j in cutlass.range_constexpr(_MAXB):
+            if j < nsrc_b:
+                bi = Int32(j)  # block index of source j: slot w (= p) is skipped
+                if (w_idx >= 0) & (j >= w_idx):
+                    bi = Int32(j + 1)
+                off = r64 * Int64(blocks.stride[0]) + Int64(bi) * Int64(blocks.stride[1]) + cb64
+                self._load_row(blocks.iterator + cute.assume(off, divby=_CHUNK), tidx,
+                               nchunk, src[j])
+
+    @cute.jit
+    def _rows_direct(self, xbar, red_s, red_n, xbuf_s, xbuf_n, wq, nw_r, qw_r,
+                     prefix: cute.Tensor,
+                     delta: cute.Tensor, blocks: cute.Tensor, out_norm_w: cute.Tensor,
+                     out: cute.Tensor, cid: Int32, ncl: Int32, rank: Int32, cbase: Int32,
+                     nchunk: Int32, w_idx: Int32, nsrc_b: Int32, lg_mult: Float32,
+                     has_delta: Int32, has_out_norm: Int32, eps: Float32, out_eps: Float32,
+                     tidx: Int32, warp: Int32, lane: Int32):
+        """Split kernels (row_split > 1, cfg.split_direct): the batched schedule with every
+        source of a row loaded straight into registers; the same arithmetic (and so the same
+        bits) as _rows_batched. The first row's loads go out before anything waits (the
+        norm_w * qk_w products, the cluster barrier); each next row's loads go out as soon
+        as the current row's registers are free."""
+        NT = self.num_threads_c
+        CPT = self.cpt
+        C = self.row_split
+        M = prefix.shape[0]
+        H = prefix.shape[1]
+        s_pre = prefix.stride[0]
+        s_out = out.stride[0]
+        s_bm = blocks.stride[0]
+        s_bn = blocks.stride[1]
+        inv_h = Float32(1.0) / Float32(H)
+        cb64 = Int64(cbase)
+
+        cp = cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)
+        cd = cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)
+        src = [cute.make_rmem_tensor((_CHUNK, CPT), self.dtype) for _ in range(_MAXB)]
+        gn = cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)
+        # chunks past the segment are never loaded: they stay 0
+        cp.fill(0.0)
+        cd.fill(0.0)
+        gn.fill(0.0)
+        for j in cutlass.range_constexpr(_MAXB):
+            src[j].fill(0.0)
+        if has_out_norm != 0:
+            self._load_gvec(out_norm_w, cbase, tidx, nchunk, gn)
+        acc = cute.make_rmem_tensor((_CHUNK, CPT), Float32)
+        part = cute.make_rmem_tensor((_NV,), Float32)
+        tot = cute.make_rmem_tensor((_NV,), Float32)
+        tb = cute.make_rmem_tensor((_MAXB,), Float32)
+        eb = cute.make_rmem_tensor((_MAXB,), Float32)
+
+        if cid < M:
+            self._issue_row(cid, prefix, delta, blocks, cbase, nchunk, w_idx, nsrc_b,
+                            has_delta, tidx, cp, cd, src)
+        for k in cutlass.range_constexpr(CPT):
+            wq[None, k].store(nw_r[None, k].load().to(Float32) * qw_r[None, k].load().to(Float32))
+        # peers store into this CTA's xbuf / xbar only after this (the kernel arrived)
+        cute.arch.cluster_wait()
+
+        it = Int32(0)
+        for row in range(cid, M, ncl):
+            r64 = Int64(row)
+            par = it & 1
+            xph = (it >> 1) & 1
+            # ---- p = bf16(prefix + delta): written back, and to blocks[w]
+            if has_delta != 0:
+                for k in cutlass.range_constexpr(CPT):
+                    cp[None, k].store(
+                        (cp[None, k].load().to(Float32) + cd[None, k].load().to(Float32))
+                        .to(self.dtype))
+                self._store_row(
+                    prefix.iterator + cute.assume(r64 * Int64(s_pre) + cb64, divby=_CHUNK),
+                    tidx, nchunk, cp)
+            if w_idx >= 0:
+                off_w = r64 * Int64(s_bm) + Int64(w_idx) * Int64(s_bn) + cb64
+                self._store_row(blocks.iterator + cute.assume(off_w, divby=_CHUNK),
+                                tidx, nchunk, cp)
+
+            # ---- partials, one batched butterfly, one barrier, one DSMEM exchange
+            a, b = self._partials(cp, wq, tidx)
+            part[0] = a
+            part[1] = b
+            for j in cutlass.range_constexpr(_MAXB):
+                part[2 + 2 * j] = Float32(0.0)
+                part[3 + 2 * j] = Float32(0.0)
+                if j < nsrc_b:
+                    a2, b2 = self._partials(src[j], wq, tidx)
+                    part[2 + 2 * j] = a2
+                    part[3 + 2 * j] = b2
+            for i in cutlass.range_constexpr(5):
+                for v in cutlass.range_constexpr(_NV):
+                    part[v] = part[v] + cute.arch.shuffle_sync_bfly(part[v], offset=16 >> i)
+            if lane == 0:
+                for v in cutlass.range_constexpr(_NV):
+                    red_s[(warp, v, par)] = part[v]
+            cute.arch.barrier(barrier_id=1, number_of_threads=NT)
+            if tidx < _NV:
+                val = self._vsum(red_s[(None, tidx, par)])
+                if tidx == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(xbar + par, C * _NV * 4)
+                dst = xbuf_s.iterator + ((par * _NV + tidx) * C + rank)
+                for r in cutlass.range_constexpr(C):
+                    _st_async_f32(dst, val, xbar + par, r)
+            cute.arch.mbarrier_wait(xbar + par, xph)
+            for v in cutlass.range_constexpr(_NV):
+                tot[v] = self._vsum(xbuf_s[(None, v, par)])
+
+            # ---- softmax over the sources (p's score raised by log2 of its multiplicity)
+            tp = cute.math.rsqrt(tot[0] * inv_h + eps, fastmath=True) * tot[1] * _LOG2E + lg_mult
+            mx = tp
+            for j in cutlass.range_constexpr(_MAXB):
+                tb[j] = tp
+                if j < nsrc_b:
+                    tb[j] = (cute.math.rsqrt(tot[2 + 2 * j] * inv_h + eps, fastmath=True)
+                             * tot[3 + 2 * j] * _LOG2E)
+                mx = cute.arch.fmax(mx, tb[j])
+            ep = cute.math.exp2(tp - mx, fastmath=True)
+            lsum = ep
+            for j in cutlass.range_constexpr(_MAXB):
+                eb[j] = Float32(0.0)
+                if j < nsrc_b:
+                    eb[j] = cute.math.exp2(tb[j] - mx, fastmath=True)
+                lsum = lsum + eb[j]
+            inv_l = Float32(1.0) / lsum
+
+            # ---- mix from registers
+            wp = ep * inv_l
+            for k in cutlass.range_constexpr(CPT):
+                acc[None, k].store(cp[None, k].load().to(Float32) * wp)
+            for j in cutlass.range_constexpr(_MAXB):
+                if j < nsrc_b:
+                    e = eb[j] * inv_l
+                    for k in cutlass.range_constexpr(CPT):
+                        acc[None, k].store(acc[None, k].load()
+                                           + src[j][None, k].load().to(Float32) * e)
+
+            # ---- output RMSNorm (one more exchange), store
+            if has_out_norm != 0:
+                sq = self._sumsq(acc)
+                for i in cutlass.range_constexpr(5):
+                    sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=16 >> i)
+                if lane == 0:
+                    red_n[(warp, par)] = sq
+                cute.arch.barrier(barrier_id=1, number_of_threads=NT)
+                if tidx == 0:
+                    valn = self._vsum(red_n[(None, par)])
+                    cute.arch.mbarrier_arrive_and_expect_tx(xbar + 2 + par, C * 4)
+                    dstn = xbuf_n.iterator + (par * C + rank)
+                    for r in cutlass.range_constexpr(C):
+                        _st_async_f32(dstn, valn, xbar + 2 + par, r)
+                cute.arch.mbarrier_wait(xbar + 2 + par, xph)
+                tot_n = self._vsum(xbuf_n[(None, par)])
+                rr = cute.math.rsqrt(tot_n * inv_h + out_eps, fastmath=True)
+                for k in cutlass.range_constexpr(CPT):
+                    cp[None, k].store(
+                        (acc[None, k].load() * rr * gn[None, k].load().to(Float32))
+                        .to(self.dtype))
+            else:
+                for k in cutlass.range_constexpr(CPT):
+                    cp[None, k].store(acc[None, k].load().to(self.dtype))
+            self._store_row(
+                out.iterator + cute.assume(r64 * Int64(s_out) + cb64, divby=_CHUNK),
+                tidx, nchunk, cp)
+            if row + ncl < M:
+                self._issue_row(row + ncl, prefix, delta, blocks, cbase, nchunk, w_idx,
+                                nsrc_b, has_delta, tidx, cp, cd, src)
+            it = it + 1
+
     @cute.kernel
     def kernel(self, prefix: cute.Tensor, delta: cute.Tensor, blocks: cute.Tensor,
                norm_w: cute.Tensor, qk_w: cute.Tensor, out_norm_w: cute.Tensor,
@@ -729,7 +935,12 @@ class AttnResSm90:
         # lane 0 of every warp initializes every (NW + 1)-th used mbarrier pair. One thread
         # per pair within a warp was ~3900 cycles (2 us) at M = 1: the init takes a uniform
         # address, so the lanes of a warp run one after another (debug_timeline, H200).
-        if lane == 0:
+        if cutlass.const_expr(self.direct):
+            if (lane == 0) & (warp == 0):
+                for i in cutlass.range_constexpr(4):
+                    cute.arch.mbarrier_init(xbar + i, 1)
+                cute.arch.mbarrier_init_fence()
+        elif lane == 0:
             for i in cutlass.range(warp, n_st, NW + 1):
                 cute.arch.mbarrier_init(full + i, 1)
                 cute.arch.mbarrier_init(empty + i, NW)
@@ -745,7 +956,7 @@ class AttnResSm90:
             cute.arch.cluster_arrive_relaxed()
 
         # ------------------------------------------------------------ producer warp
-        if warp == NW:
+        if warp == NW and cutlass.const_expr(not self.direct):
             # row_split = 1: the consumers' norm_w / qk_w loads go out first; issued behind
             # the ring's bulk copies (up to a full ring per SM) they waited ~7-11 us for the
             # copies to drain (debug_timeline, H200: M=256 25.4 -> 23.6 us). The split
@@ -808,12 +1019,15 @@ class AttnResSm90:
                     qw_r[None, k].store(b.load())
             if cutlass.const_expr(C == 1):
                 cute.arch.barrier_arrive(barrier_id=2, number_of_threads=NT + 32)
-            for k in cutlass.range_constexpr(CPT):
-                wq_t[None, k].store(nw_r[None, k].load().to(Float32)
-                                    * qw_r[None, k].load().to(Float32))
+            if cutlass.const_expr(not self.direct):
+                # (direct: the first row's loads go out before these products and the
+                # cluster wait, see _rows_direct)
+                for k in cutlass.range_constexpr(CPT):
+                    wq_t[None, k].store(nw_r[None, k].load().to(Float32)
+                                        * qw_r[None, k].load().to(Float32))
             if cutlass.const_expr(self.cfg.debug_timeline):
                 tl[9] = cute.arch.clock64()
-            if cutlass.const_expr(C > 1):
+            if cutlass.const_expr(C > 1 and not self.direct):
                 cute.arch.cluster_wait()
             if cutlass.const_expr(self.cfg.debug_timeline):
                 tl[10] = cute.arch.clock64()
@@ -824,7 +1038,13 @@ class AttnResSm90:
             cs.fill(0.0)
             acc = cute.make_rmem_tensor((_CHUNK, CPT), Float32)
 
-            if cutlass.const_expr(C > 1):
+            if cutlass.const_expr(self.direct):
+                self._rows_direct(xbar, red_s, red_n, xbuf_s, xbuf_n, wq, nw_r, qw_r,
+                                  prefix, delta,
+                                  blocks, out_norm_w, out, cid, ncl, rank, cbase, nchunk,
+                                  w_idx, nsrc_b, lg_mult, has_delta, has_out_norm, eps,
+                                  out_eps, tidx, warp, lane)
+            elif cutlass.const_expr(C > 1):
                 # always batched: can_implement guarantees a ring of >= _MAX_LOADS segments
                 self._rows_batched(ring, full, empty, xbar, red_s, red_n, xbuf_s, xbuf_n,
                                    wq, cp, cs, acc, prefix, delta, blocks, out_norm_w, out,
