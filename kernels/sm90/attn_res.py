@@ -30,6 +30,13 @@ Design (memory bound; every source row crosses HBM once):
   - online schedule (row_split = 1 when the row does not fit in the ring, e.g. 16384 tier at
     large H): one reduction per source, online softmax (running max, rescaled accumulator).
   - chunks past the segment are never loaded or stored; they stay 0 in registers.
+  - split_direct (row_split > 1 with at most 2 chunks per thread, i.e. every split kernel but
+    the 16384 tier at split 2): no producer warp and no ring. Each thread loads its chunks of
+    every source of the row straight into registers with 16-byte loads, all in flight at
+    once, before it waits for anything (norm_w * qk_w products, the cluster barrier); the
+    next row's loads go out as soon as the row is stored. Same partials, exchanges and mix
+    (same bits) as the batched schedule. H200: M=1 7.6-8.2 -> 7.0-7.1 us, M=16 8.4 -> 7.9-8.0
+    (perf/results/tune_memops_h200_attn_res_direct*.json).
   - row_split = C > 1: segment length seg = ceil(H / (8 C)) * 8, CTA c owns
     [c seg, min(H, (c + 1) seg)) (may be empty: the producer then arrives without a copy).
     Cluster barriers: after mbarrier init (relaxed arrive, wait before the first remote
