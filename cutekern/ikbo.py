@@ -2,6 +2,8 @@
 
     lce = LinearCompression(w_cand, w_user)     # pads weights once (16-byte rows)
     out = lce(e_cand, e_user, cand_to_user)     # [B, M, N]
+    plan = lce.plan(e_cand, e_user, cand_to_user, out)   # validate + bind once ...
+    plan.run()                                  # ... then two launches per run (no checks)
     out = linear_compression(w_cand, w_user, e_cand, e_user, cand_to_user)  # one-shot
 
 Both run two launches of one kernel class: the user GEMM once per user into fp32
@@ -80,6 +82,40 @@ class LinearCompression:
                                    out, check_indices)
         return out
 
+    def plan(self, e_cand, e_user, cand_to_user, out=None, *, check_indices=True) -> "LcePlan":
+        """Validate and bind one batch's tensors once (FlashInfer-style plan / run):
+        ``run()`` then re-runs both phases on the current stream with the tensors' current
+        contents (same shapes and addresses) at ~2 launches of host cost, no validation, no
+        allocation, no host sync; capturable in a CUDA graph. ``check_indices`` checks
+        cand_to_user's values now (one sync); run() never does, so keep them in range."""
+        _validate(self, e_cand, e_user, cand_to_user, out)
+        if check_indices:
+            _check_indices(cand_to_user, e_user.shape[0])
+        if out is None:
+            out = torch.empty(e_cand.shape[0], self.m, e_cand.shape[2], dtype=self.dtype,
+                              device=e_cand.device)
+        steps = [fn.bind(*args, check=False) if hasattr(fn, "bind") else (fn, args)
+                 for fn, args in _phases(self.w_cand, self.w_user, e_cand, e_user,
+                                         cand_to_user, out)]
+        return LcePlan(steps, out, (e_cand, e_user, cand_to_user))
+
+
+class LcePlan:
+    """One LinearCompression batch bound to its tensors (see ``LinearCompression.plan``).
+    The partials buffer belongs to the plan: one run() at a time per plan (runs on one
+    stream are ordered, so back-to-back runs and graph replays are fine)."""
+
+    def __init__(self, steps, out, keep):
+        self._steps, self.out, self._keep = steps, out, keep
+
+    def run(self, stream=None):
+        for st in self._steps:
+            if isinstance(st, tuple):  # torch fallback of an empty K (no kernel)
+                st[0](*st[1])
+            else:
+                st.launch(stream)
+        return self.out
+
 
 def linear_compression(w_cand, w_user, e_cand, e_user, cand_to_user, out=None, *, check_indices=True):
     """out[b] = w_cand @ e_cand[b] + w_user @ e_user[cand_to_user[b]]  (fp32 accumulation).
@@ -156,27 +192,44 @@ def _check_indices(cand_to_user, num_users, kv_len=None, s_max=0, op="linear_com
         raise err("kv_len", f"has values outside [0, S_max={s_max}]")
 
 
-def _launch(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out, check=True):
-    """Both phases. ``check=False`` only for callers that ran ``_validate``."""
+def _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out) -> list:
+    """The call as (function, args) steps: the user phase into fp32 partials, then the
+    candidate phase (or, for an empty K, a torch fallback of that phase)."""
     from .dispatch import get_function
     b, kc, n = e_cand.shape
     u, ku, _ = e_user.shape
     if b == 0 or n == 0 or w_cand_p.shape[0] == 0:
-        return out  # nothing to compute (TMA descriptors cannot describe empty extents)
+        return []  # nothing to compute (TMA descriptors cannot describe empty extents)
     ab = _DTYPES[w_cand_p.dtype]
     dev = e_cand.device
+    steps = []
     if ku == 0:
         partial = torch.zeros(u, w_user_p.shape[0], n, dtype=torch.float32, device=dev)
     else:
         partial = torch.empty(u, w_user_p.shape[0], n, dtype=torch.float32, device=dev)
         user = get_function("lce_gemm", {"ab": ab, "c": "float32"}, {"has_addend": False}, dev)
         # d/idx are unused by this variant; pass valid tensors of the right kind
-        user(w_user_p, e_user, partial, partial, cand_to_user, check=check)
-    if kc == 0:
-        out.copy_(partial.index_select(0, cand_to_user.long()))
-        return out
+        steps.append((user, (w_user_p, e_user, partial, partial, cand_to_user)))
+    if kc == 0:  # degenerate: no candidate features, torch ops (these allocate)
+        steps.append((lambda p, c, o: o.copy_(p.index_select(0, c.long())),
+                      (partial, cand_to_user, out)))
+        return steps
     cand = get_function("lce_gemm", {"ab": ab, "c": ab}, {"has_addend": True}, dev)
-    cand(w_cand_p, e_cand, out, partial, cand_to_user, check=check)
+    steps.append((cand, (w_cand_p, e_cand, out, partial, cand_to_user)))
+    return steps
+
+
+def _launch(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out, check=True):
+    """Both phases. ``check=False`` only for callers that ran ``_validate``."""
+    steps = _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out)
+    stream = None
+    for fn, args in steps:
+        if hasattr(fn, "bind"):
+            if stream is None:  # looked up once for both launches (host time)
+                stream = torch.cuda.current_stream(out.device).cuda_stream
+            fn(*args, check=check, stream=stream)
+        else:
+            fn(*args)
     return out
 
 

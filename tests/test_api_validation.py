@@ -83,6 +83,18 @@ def test_out_checked():
         lce(*a[2:], out=torch.empty(4, 5, 16, dtype=torch.float32))
 
 
+def test_plan_validates_like_a_call():
+    """plan() runs the same checks as a call before binding anything."""
+    a = _ok()
+    lce = LinearCompression(a[0], a[1])
+    with pytest.raises(ValueError, match="'out' must be"):
+        lce.plan(*a[2:], out=torch.empty(4, 5, 8, dtype=F16))
+    with pytest.raises(TypeError, match="'cand_to_user' must be int32"):
+        lce.plan(a[2], a[3], a[4].long())
+    with pytest.raises(ValueError, match="'e_cand'"):
+        lce.plan(torch.randn(4, 12, 16, dtype=F16), a[3], a[4])
+
+
 def test_zero_users_with_candidates():
     a = list(_ok()); a[3] = torch.randn(0, 9, 16, dtype=F16)
     _raises(ValueError, "'e_user' has 0 users", *a)

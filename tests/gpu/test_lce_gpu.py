@@ -116,6 +116,36 @@ def test_cuda_graph_and_compile(design):
     check(f(*args[2:]), (args[0], args[1], *args[2:]), torch.bfloat16)
 
 
+@pytest.mark.parametrize("kc", [30, 0])
+def test_plan_run(design, kc):
+    """plan() binds once; run() recomputes from the tensors' current contents (eager and
+    as a CUDA-graph replay), including the K_cand = 0 fallback."""
+    args = make_problem([3, 0, 1, 4], 40, 32, kc, 20, torch.bfloat16, seed=21)
+    lce = LinearCompression(args[0], args[1])
+    plan = lce.plan(*args[2:])
+    out = plan.out
+    for seed in (22, 23):
+        fresh = make_problem([3, 0, 1, 4], 40, 32, kc, 20, torch.bfloat16, seed=seed)
+        for dst, src in zip(args[2:], fresh[2:]):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        assert plan.run() is out
+        torch.cuda.synchronize()
+        check(out, (args[0], args[1], *args[2:]), torch.bfloat16)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        plan.run()
+    fresh = make_problem([3, 0, 1, 4], 40, 32, kc, 20, torch.bfloat16, seed=24)
+    for dst, src in zip(args[2:], fresh[2:]):
+        dst.copy_(src)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    check(out, (args[0], args[1], *args[2:]), torch.bfloat16)
+    with pytest.raises(ValueError, match="'cand_to_user'"):
+        lce.plan(args[2], args[3], args[4].flip(0).contiguous())
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_fuzz(design, data):
