@@ -19,14 +19,17 @@ class ExportError(RuntimeError):
     pass
 
 
-def export(arches, out_dir, *, ops=None, designs=None, overrides=None, log=print) -> dict:
+def export(arches, out_dir, *, ops=None, designs=None, overrides=None, flags=None,
+           log=print) -> dict:
     from . import compile as ck
     from .registry import all_keys
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # flags: {flag: value} a variant must have to be exported (tuning runs; None: all)
     keys = [k for k in all_keys(arches, overrides=overrides, ops=ops)
-            if designs is None or k.design in designs]
+            if (designs is None or k.design in designs)
+            and all(dict(k.flags).get(f) == v for f, v in (flags or {}).items())]
     if not keys:
         raise ExportError(f"no variants registered for arches={arches} ops={ops} designs={designs}")
     entries, failures = [], []

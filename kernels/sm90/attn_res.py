@@ -153,6 +153,9 @@ def _layout_numbers(max_hidden: int, cfg: AttnResSm90Config, row_split: int):
     fixed = (16 * cfg.max_stages + 16 * nw + 4 * (2 * _NV * nw + 2 * nw + 2 * _NV * C + 2 * C)
              + 64 + _SMEM_SLACK + wq_bytes)
     cap = min(_SMEM_CAPACITY, _SMEM_PER_SM // cfg.ctas_per_sm - 1024)
+    if C > 1 and cpt <= 2 and cfg.split_direct:
+        # split_direct: no ring (AttnResSm90 allocates a token one)
+        return (nw, cpt, wq_smem, wq_bytes, 128, seg_max) if fixed <= cap else None
     ring = min(cfg.ring_kb * 1024, cap - fixed) // 128 * 128
     if ring < 2 * 2 * seg_max:  # >= 2 slots at max_hidden
         return None
