@@ -84,8 +84,10 @@ class BgmvExpandSm90Config:
         (the routing and b are inputs that the shrink does not write) and waits
         (griddepcontrol.wait) before it loads s. Measured on the H200 against prefetching b
         into L2 before the wait and loading everything after it (which would be safe after
-        any kernel): 0.5-1.2 us faster at T <= 32 (perf/results/tune_memops_h200_bgmv_pdl.json).
-        The stand-alone expand (after_shrink=False) is launched without PDL."""
+        any kernel): 0.5-1.2 us faster at T <= 32 (perf/results/
+        tune_memops_h200_bgmv_pdl_l2.json). The stand-alone expand (after_shrink=False) is
+        launched without PDL. A CTA whose pairs are all dead never waits: it only writes
+        zeros to y, which the shrink does not touch."""
 
     cols_per_lane: int = 2
     num_sms: int = 65536
