@@ -87,6 +87,19 @@ def test_hidden_sizes(design, h):
     run_case(37, 4, h, 3, 3, seed=h)
 
 
+@pytest.mark.parametrize("split", [2, 4, 8])
+@pytest.mark.parametrize("m,h,k,w", [(1, 7168, 8, -1), (100, 7168, 7, 2), (41, 16384, 5, 5),
+                                     (19, 8200, 0, 0), (70, 1032, 3, -1), (9, 40, 3, -1)])
+def test_forced_row_split(design, monkeypatch, split, m, h, k, w):
+    """The cluster-split sm90 kernels at any M: several rows per cluster (the direct kernels
+    prefetch the next row's sources), both hidden tiers (16384 at split 2 keeps the ring),
+    empty slices (small H over 8 CTAs), K = 0 and w < K."""
+    if design != "sm90":
+        pytest.skip("row splits are an sm90-design variant")
+    monkeypatch.setenv("CUTEKERN_ATTN_RES_SPLIT", str(split))
+    run_case(m, 8, h, k, w, seed=split * 1000 + m)
+
+
 def test_large_m(design):
     run_case(16384, 8, 7168, 8, -1, seed=5)
 
