@@ -94,7 +94,7 @@ class LinearCompression:
         if out is None:
             out = torch.empty(e_cand.shape[0], self.m, e_cand.shape[2], dtype=self.dtype,
                               device=e_cand.device)
-        steps = [fn.bind(*args, check=False) if hasattr(fn, "bind") else (fn, args)
+        steps = [fn.bind(*args, check=False)
                  for fn, args in _phases(self.w_cand, self.w_user, e_cand, e_user,
                                          cand_to_user, out)]
         return LcePlan(steps, out, (e_cand, e_user, cand_to_user))
@@ -110,10 +110,7 @@ class LcePlan:
 
     def run(self, stream=None):
         for st in self._steps:
-            if isinstance(st, tuple):  # torch fallback of an empty K (no kernel)
-                st[0](*st[1])
-            else:
-                st.launch(stream)
+            st.launch(stream)
         return self.out
 
 
@@ -193,8 +190,9 @@ def _check_indices(cand_to_user, num_users, kv_len=None, s_max=0, op="linear_com
 
 
 def _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out) -> list:
-    """The call as (function, args) steps: the user phase into fp32 partials, then the
-    candidate phase (or, for an empty K, a torch fallback of that phase)."""
+    """The call as (function, args) steps, each callable / bindable like a kernel function:
+    the user phase into fp32 partials, then the candidate phase (or, for an empty K_cand,
+    a torch gather of the partials)."""
     from .dispatch import get_function
     b, kc, n = e_cand.shape
     u, ku, _ = e_user.shape
@@ -210,26 +208,40 @@ def _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out) -> list:
         user = get_function("lce_gemm", {"ab": ab, "c": "float32"}, {"has_addend": False}, dev)
         # d/idx are unused by this variant; pass valid tensors of the right kind
         steps.append((user, (w_user_p, e_user, partial, partial, cand_to_user)))
-    if kc == 0:  # degenerate: no candidate features, torch ops (these allocate)
-        steps.append((lambda p, c, o: o.copy_(p.index_select(0, c.long())),
-                      (partial, cand_to_user, out)))
+    if kc == 0:  # degenerate: no candidate features
+        steps.append((_GatherPartials(), (partial, cand_to_user, out)))
         return steps
     cand = get_function("lce_gemm", {"ab": ab, "c": ab}, {"has_addend": True}, dev)
     steps.append((cand, (w_cand_p, e_cand, out, partial, cand_to_user)))
     return steps
 
 
+class _GatherPartials:
+    """K_cand = 0: out[b] = partial[cand_to_user[b]] with torch ops (these allocate), called
+    and bound like a kernel function."""
+
+    def __call__(self, partial, cand_to_user, out, check=True, stream=None):
+        out.copy_(partial.index_select(0, cand_to_user.long()))
+
+    def bind(self, *args, check=True):
+        return _BoundGather(self, args)
+
+
+class _BoundGather:
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def launch(self, stream=None):
+        self.fn(*self.args)
+
+
 def _launch(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out, check=True):
     """Both phases. ``check=False`` only for callers that ran ``_validate``."""
     steps = _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out)
-    stream = None
+    # the stream is looked up once for both launches (host time)
+    stream = torch.cuda.current_stream(out.device).cuda_stream if steps else None
     for fn, args in steps:
-        if hasattr(fn, "bind"):
-            if stream is None:  # looked up once for both launches (host time)
-                stream = torch.cuda.current_stream(out.device).cuda_stream
-            fn(*args, check=check, stream=stream)
-        else:
-            fn(*args)
+        fn(*args, check=check, stream=stream)
     return out
 
 

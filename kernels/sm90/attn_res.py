@@ -461,6 +461,97 @@ class AttnResSm90:
         return self._tree(r)
 
     @cute.jit
+    def _score_totals(self, part: cute.Tensor, red_s: cute.Tensor, xbuf_s: cute.Tensor, xbar,
+                      tot: cute.Tensor, par: Int32, xph: Int32, rank: Int32, tidx: Int32,
+                      warp: Int32, lane: Int32, tl: cute.Tensor):
+        """tot <- the row's (sum c^2, dot) totals of every source from the threads' partials:
+        one batched butterfly (independent shuffles), one barrier, and (row_split > 1) one
+        DSMEM exchange of the CTA totals (st.async, complete_tx on each CTA's xbar)."""
+        C = self.row_split
+        for i in cutlass.range_constexpr(5):
+            for v in cutlass.range_constexpr(_NV):
+                part[v] = part[v] + cute.arch.shuffle_sync_bfly(part[v], offset=16 >> i)
+        if lane == 0:
+            for v in cutlass.range_constexpr(_NV):
+                red_s[(warp, v, par)] = part[v]
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.num_threads_c)
+        if cutlass.const_expr(self.cfg.debug_timeline):
+            tl[4] = cute.arch.clock64()
+        if cutlass.const_expr(C == 1):
+            for v in cutlass.range_constexpr(_NV):
+                tot[v] = self._vsum(red_s[(None, v, par)])
+        else:
+            if tidx < _NV:
+                val = self._vsum(red_s[(None, tidx, par)])
+                if tidx == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(xbar + par, C * _NV * 4)
+                dst = xbuf_s.iterator + ((par * _NV + tidx) * C + rank)
+                for r in cutlass.range_constexpr(C):
+                    _st_async_f32(dst, val, xbar + par, r)
+            cute.arch.mbarrier_wait(xbar + par, xph)
+            for v in cutlass.range_constexpr(_NV):
+                tot[v] = self._vsum(xbuf_s[(None, v, par)])
+
+    @cute.jit
+    def _softmax(self, tot: cute.Tensor, tb: cute.Tensor, eb: cute.Tensor, nsrc_b: Int32,
+                 lg_mult: Float32, inv_h: Float32, eps: Float32):
+        """Softmax over the sources from the totals (p's score raised by log2 of its
+        multiplicity): returns (p's weight numerator, 1 / sum); eb[j] = block j's numerator."""
+        tp = cute.math.rsqrt(tot[0] * inv_h + eps, fastmath=True) * tot[1] * _LOG2E + lg_mult
+        mx = tp
+        for j in cutlass.range_constexpr(_MAXB):
+            tb[j] = tp
+            if j < nsrc_b:
+                tb[j] = (cute.math.rsqrt(tot[2 + 2 * j] * inv_h + eps, fastmath=True)
+                         * tot[3 + 2 * j] * _LOG2E)
+            mx = cute.arch.fmax(mx, tb[j])
+        ep = cute.math.exp2(tp - mx, fastmath=True)
+        lsum = ep
+        for j in cutlass.range_constexpr(_MAXB):
+            eb[j] = Float32(0.0)
+            if j < nsrc_b:
+                eb[j] = cute.math.exp2(tb[j] - mx, fastmath=True)
+            lsum = lsum + eb[j]
+        return ep, Float32(1.0) / lsum
+
+    @cute.jit
+    def _out_row(self, acc: cute.Tensor, gn: cute.Tensor, cp: cute.Tensor, red_n: cute.Tensor,
+                 xbuf_n: cute.Tensor, xbar, par: Int32, xph: Int32, rank: Int32,
+                 has_out_norm: Int32, inv_h: Float32, out_eps: Float32, tidx: Int32,
+                 warp: Int32, lane: Int32):
+        """cp <- bf16 of the mix acc, output-RMSNormed with weight gn when has_out_norm (one
+        more reduction and, row_split > 1, one more DSMEM exchange)."""
+        C = self.row_split
+        CPT = self.cpt
+        if has_out_norm != 0:
+            sq = self._sumsq(acc)
+            for i in cutlass.range_constexpr(5):
+                sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=16 >> i)
+            if lane == 0:
+                red_n[(warp, par)] = sq
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.num_threads_c)
+            tot_n = Float32(0.0)
+            if cutlass.const_expr(C == 1):
+                tot_n = self._vsum(red_n[(None, par)])
+            else:
+                if tidx == 0:
+                    valn = self._vsum(red_n[(None, par)])
+                    cute.arch.mbarrier_arrive_and_expect_tx(xbar + 2 + par, C * 4)
+                    dstn = xbuf_n.iterator + (par * C + rank)
+                    for r in cutlass.range_constexpr(C):
+                        _st_async_f32(dstn, valn, xbar + 2 + par, r)
+                cute.arch.mbarrier_wait(xbar + 2 + par, xph)
+                tot_n = self._vsum(xbuf_n[(None, par)])
+            rr = cute.math.rsqrt(tot_n * inv_h + out_eps, fastmath=True)
+            for k in cutlass.range_constexpr(CPT):
+                cp[None, k].store(
+                    (acc[None, k].load() * rr * gn[None, k].load().to(Float32))
+                    .to(self.dtype))
+        else:
+            for k in cutlass.range_constexpr(CPT):
+                cp[None, k].store(acc[None, k].load().to(self.dtype))
+
+    @cute.jit
     def _rows_batched(self, ring, full, empty, xbar, red_s, red_n, xbuf_s, xbuf_n,
                       wq, cp, cs, acc, prefix: cute.Tensor, delta: cute.Tensor,
                       blocks: cute.Tensor, out_norm_w: cute.Tensor, out: cute.Tensor,
@@ -472,7 +563,6 @@ class AttnResSm90:
         """Batched schedule: per row, every load of the row is resident in the ring (the
         caller guarantees 1 + has_delta + nsrc_b <= n_st); one reduction (and, row_split > 1,
         one DSMEM exchange) for all scores, one for the output norm."""
-        NT = self.num_threads_c
         CPT = self.cpt
         C = self.row_split
         M = prefix.shape[0]
@@ -557,51 +647,11 @@ class AttnResSm90:
                     part[3 + 2 * j] = b2
             if cutlass.const_expr(self.cfg.debug_timeline):
                 tl[3] = cute.arch.clock64()
-            # one batched butterfly (independent shuffles), one barrier
-            for i in cutlass.range_constexpr(5):
-                for v in cutlass.range_constexpr(_NV):
-                    part[v] = part[v] + cute.arch.shuffle_sync_bfly(part[v], offset=16 >> i)
-            if lane == 0:
-                for v in cutlass.range_constexpr(_NV):
-                    red_s[(warp, v, par)] = part[v]
-            cute.arch.barrier(barrier_id=1, number_of_threads=NT)
-            if cutlass.const_expr(self.cfg.debug_timeline):
-                tl[4] = cute.arch.clock64()
-            if cutlass.const_expr(C == 1):
-                for v in cutlass.range_constexpr(_NV):
-                    tot[v] = self._vsum(red_s[(None, v, par)])
-            else:
-                # CTA totals -> every CTA of the cluster (st.async, complete_tx on its xbar)
-                if tidx < _NV:
-                    val = self._vsum(red_s[(None, tidx, par)])
-                    if tidx == 0:
-                        cute.arch.mbarrier_arrive_and_expect_tx(xbar + par, C * _NV * 4)
-                    dst = xbuf_s.iterator + ((par * _NV + tidx) * C + rank)
-                    for r in cutlass.range_constexpr(C):
-                        _st_async_f32(dst, val, xbar + par, r)
-                cute.arch.mbarrier_wait(xbar + par, xph)
-                for v in cutlass.range_constexpr(_NV):
-                    tot[v] = self._vsum(xbuf_s[(None, v, par)])
-
+            self._score_totals(part, red_s, xbuf_s, xbar, tot, par, xph, rank, tidx, warp,
+                               lane, tl)
             if cutlass.const_expr(self.cfg.debug_timeline):
                 tl[5] = cute.arch.clock64()
-            # ---- softmax over the sources (p's score raised by log2 of its multiplicity)
-            tp = cute.math.rsqrt(tot[0] * inv_h + eps, fastmath=True) * tot[1] * _LOG2E + lg_mult
-            mx = tp
-            for j in cutlass.range_constexpr(_MAXB):
-                tb[j] = tp
-                if j < nsrc_b:
-                    tb[j] = (cute.math.rsqrt(tot[2 + 2 * j] * inv_h + eps, fastmath=True)
-                             * tot[3 + 2 * j] * _LOG2E)
-                mx = cute.arch.fmax(mx, tb[j])
-            ep = cute.math.exp2(tp - mx, fastmath=True)
-            lsum = ep
-            for j in cutlass.range_constexpr(_MAXB):
-                eb[j] = Float32(0.0)
-                if j < nsrc_b:
-                    eb[j] = cute.math.exp2(tb[j] - mx, fastmath=True)
-                lsum = lsum + eb[j]
-            inv_l = Float32(1.0) / lsum
+            ep, inv_l = self._softmax(tot, tb, eb, nsrc_b, lg_mult, inv_h, eps)
 
             # ---- mix (slots re-read, each released after its read)
             wp = ep * inv_l
@@ -637,35 +687,11 @@ class AttnResSm90:
             if cutlass.const_expr(self.cfg.debug_timeline):
                 tl[6] = cute.arch.clock64()
             # ---- output RMSNorm, store
-            if has_out_norm != 0:
-                if cutlass.const_expr(CPT > 4):
+            if cutlass.const_expr(CPT > 4):
+                if has_out_norm != 0:
                     self._load_gvec(out_norm_w, cbase, tidx, nchunk, cs)  # gn is cs
-                sq = self._sumsq(acc)
-                for i in cutlass.range_constexpr(5):
-                    sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=16 >> i)
-                if lane == 0:
-                    red_n[(warp, par)] = sq
-                cute.arch.barrier(barrier_id=1, number_of_threads=NT)
-                tot_n = Float32(0.0)
-                if cutlass.const_expr(C == 1):
-                    tot_n = self._vsum(red_n[(None, par)])
-                else:
-                    if tidx == 0:
-                        valn = self._vsum(red_n[(None, par)])
-                        cute.arch.mbarrier_arrive_and_expect_tx(xbar + 2 + par, C * 4)
-                        dstn = xbuf_n.iterator + (par * C + rank)
-                        for r in cutlass.range_constexpr(C):
-                            _st_async_f32(dstn, valn, xbar + 2 + par, r)
-                    cute.arch.mbarrier_wait(xbar + 2 + par, xph)
-                    tot_n = self._vsum(xbuf_n[(None, par)])
-                rr = cute.math.rsqrt(tot_n * inv_h + out_eps, fastmath=True)
-                for k in cutlass.range_constexpr(CPT):
-                    cp[None, k].store(
-                        (acc[None, k].load() * rr * gn[None, k].load().to(Float32))
-                        .to(self.dtype))
-            else:
-                for k in cutlass.range_constexpr(CPT):
-                    cp[None, k].store(acc[None, k].load().to(self.dtype))
+            self._out_row(acc, gn, cp, red_n, xbuf_n, xbar, par, xph, rank, has_out_norm,
+                          inv_h, out_eps, tidx, warp, lane)
             if cutlass.const_expr(self.cfg.debug_timeline):
                 tl[7] = cute.arch.clock64()
             self._store_row(
@@ -713,15 +739,13 @@ class AttnResSm90:
                      out: cute.Tensor, cid: Int32, ncl: Int32, rank: Int32, cbase: Int32,
                      nchunk: Int32, w_idx: Int32, nsrc_b: Int32, lg_mult: Float32,
                      has_delta: Int32, has_out_norm: Int32, eps: Float32, out_eps: Float32,
-                     tidx: Int32, warp: Int32, lane: Int32):
+                     tidx: Int32, warp: Int32, lane: Int32, tl: cute.Tensor):
         """Split kernels (row_split > 1, cfg.split_direct): the batched schedule with every
         source of a row loaded straight into registers; the same arithmetic (and so the same
         bits) as _rows_batched. The first row's loads go out before anything waits (the
         norm_w * qk_w products, the cluster barrier); each next row's loads go out as soon
         as the current row's registers are free."""
-        NT = self.num_threads_c
         CPT = self.cpt
-        C = self.row_split
         M = prefix.shape[0]
         H = prefix.shape[1]
         s_pre = prefix.stride[0]
@@ -787,41 +811,9 @@ class AttnResSm90:
                     a2, b2 = self._partials(src[j], wq, tidx)
                     part[2 + 2 * j] = a2
                     part[3 + 2 * j] = b2
-            for i in cutlass.range_constexpr(5):
-                for v in cutlass.range_constexpr(_NV):
-                    part[v] = part[v] + cute.arch.shuffle_sync_bfly(part[v], offset=16 >> i)
-            if lane == 0:
-                for v in cutlass.range_constexpr(_NV):
-                    red_s[(warp, v, par)] = part[v]
-            cute.arch.barrier(barrier_id=1, number_of_threads=NT)
-            if tidx < _NV:
-                val = self._vsum(red_s[(None, tidx, par)])
-                if tidx == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(xbar + par, C * _NV * 4)
-                dst = xbuf_s.iterator + ((par * _NV + tidx) * C + rank)
-                for r in cutlass.range_constexpr(C):
-                    _st_async_f32(dst, val, xbar + par, r)
-            cute.arch.mbarrier_wait(xbar + par, xph)
-            for v in cutlass.range_constexpr(_NV):
-                tot[v] = self._vsum(xbuf_s[(None, v, par)])
-
-            # ---- softmax over the sources (p's score raised by log2 of its multiplicity)
-            tp = cute.math.rsqrt(tot[0] * inv_h + eps, fastmath=True) * tot[1] * _LOG2E + lg_mult
-            mx = tp
-            for j in cutlass.range_constexpr(_MAXB):
-                tb[j] = tp
-                if j < nsrc_b:
-                    tb[j] = (cute.math.rsqrt(tot[2 + 2 * j] * inv_h + eps, fastmath=True)
-                             * tot[3 + 2 * j] * _LOG2E)
-                mx = cute.arch.fmax(mx, tb[j])
-            ep = cute.math.exp2(tp - mx, fastmath=True)
-            lsum = ep
-            for j in cutlass.range_constexpr(_MAXB):
-                eb[j] = Float32(0.0)
-                if j < nsrc_b:
-                    eb[j] = cute.math.exp2(tb[j] - mx, fastmath=True)
-                lsum = lsum + eb[j]
-            inv_l = Float32(1.0) / lsum
+            self._score_totals(part, red_s, xbuf_s, xbar, tot, par, xph, rank, tidx, warp,
+                               lane, tl)
+            ep, inv_l = self._softmax(tot, tb, eb, nsrc_b, lg_mult, inv_h, eps)
 
             # ---- mix from registers
             wp = ep * inv_l
@@ -835,29 +827,8 @@ class AttnResSm90:
                                            + src[j][None, k].load().to(Float32) * e)
 
             # ---- output RMSNorm (one more exchange), store
-            if has_out_norm != 0:
-                sq = self._sumsq(acc)
-                for i in cutlass.range_constexpr(5):
-                    sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=16 >> i)
-                if lane == 0:
-                    red_n[(warp, par)] = sq
-                cute.arch.barrier(barrier_id=1, number_of_threads=NT)
-                if tidx == 0:
-                    valn = self._vsum(red_n[(None, par)])
-                    cute.arch.mbarrier_arrive_and_expect_tx(xbar + 2 + par, C * 4)
-                    dstn = xbuf_n.iterator + (par * C + rank)
-                    for r in cutlass.range_constexpr(C):
-                        _st_async_f32(dstn, valn, xbar + 2 + par, r)
-                cute.arch.mbarrier_wait(xbar + 2 + par, xph)
-                tot_n = self._vsum(xbuf_n[(None, par)])
-                rr = cute.math.rsqrt(tot_n * inv_h + out_eps, fastmath=True)
-                for k in cutlass.range_constexpr(CPT):
-                    cp[None, k].store(
-                        (acc[None, k].load() * rr * gn[None, k].load().to(Float32))
-                        .to(self.dtype))
-            else:
-                for k in cutlass.range_constexpr(CPT):
-                    cp[None, k].store(acc[None, k].load().to(self.dtype))
+            self._out_row(acc, gn, cp, red_n, xbuf_n, xbar, par, xph, rank, has_out_norm,
+                          inv_h, out_eps, tidx, warp, lane)
             self._store_row(
                 out.iterator + cute.assume(r64 * Int64(s_out) + cb64, divby=_CHUNK),
                 tidx, nchunk, cp)
@@ -1053,7 +1024,7 @@ class AttnResSm90:
                                   prefix, delta,
                                   blocks, out_norm_w, out, cid, ncl, rank, cbase, nchunk,
                                   w_idx, nsrc_b, lg_mult, has_delta, has_out_norm, eps,
-                                  out_eps, tidx, warp, lane)
+                                  out_eps, tidx, warp, lane, tl)
             elif cutlass.const_expr(C > 1):
                 # always batched: can_implement guarantees a ring of >= _MAX_LOADS segments
                 self._rows_batched(ring, full, empty, xbar, red_s, red_n, xbuf_s, xbuf_n,

@@ -40,6 +40,15 @@ def check(out, args, dtype):
     assert rel < 4 * eps, rel
 
 
+def refill(args, counts, m, n, kc, ku, dtype, seed, out):
+    """New random contents in the embedding / index tensors of args (same addresses, the
+    weights kept) and a NaN-poisoned out: what a bound launch or graph replay must pick up."""
+    fresh = make_problem(counts, m, n, kc, ku, dtype, seed)
+    for dst, src in zip(args[2:], fresh[2:]):
+        dst.copy_(src)
+    out.fill_(float("nan"))
+
+
 def run_poisoned(args, dtype):
     w_cand, w_user, e_cand, e_user, c2u = args
     lce = LinearCompression(w_cand, w_user)
@@ -105,10 +114,7 @@ def test_cuda_graph_and_compile(design):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         lce(*args[2:], out=out, check_indices=False)
-    fresh = make_problem([3, 1, 4], 40, 32, 30, 20, torch.bfloat16, seed=12)
-    for dst, src in zip(args[2:], fresh[2:]):
-        dst.copy_(src)
-    out.fill_(float("nan"))
+    refill(args, [3, 1, 4], 40, 32, 30, 20, torch.bfloat16, 12, out)
     g.replay()
     torch.cuda.synchronize()
     check(out, (args[0], args[1], *args[2:]), torch.bfloat16)
@@ -125,20 +131,14 @@ def test_plan_run(design, kc):
     plan = lce.plan(*args[2:])
     out = plan.out
     for seed in (22, 23):
-        fresh = make_problem([3, 0, 1, 4], 40, 32, kc, 20, torch.bfloat16, seed=seed)
-        for dst, src in zip(args[2:], fresh[2:]):
-            dst.copy_(src)
-        out.fill_(float("nan"))
+        refill(args, [3, 0, 1, 4], 40, 32, kc, 20, torch.bfloat16, seed, out)
         assert plan.run() is out
         torch.cuda.synchronize()
         check(out, (args[0], args[1], *args[2:]), torch.bfloat16)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         plan.run()
-    fresh = make_problem([3, 0, 1, 4], 40, 32, kc, 20, torch.bfloat16, seed=24)
-    for dst, src in zip(args[2:], fresh[2:]):
-        dst.copy_(src)
-    out.fill_(float("nan"))
+    refill(args, [3, 0, 1, 4], 40, 32, kc, 20, torch.bfloat16, 24, out)
     g.replay()
     torch.cuda.synchronize()
     check(out, (args[0], args[1], *args[2:]), torch.bfloat16)
