@@ -57,6 +57,22 @@ _LOG2_E = math.log2(math.e)
 _VEC = 8  # elements per 16-byte vector
 
 
+def _widen(v):
+    """bf16 TensorSSA of 8 elements -> the same values in fp32 with one integer op per
+    element (x << 16 for the even elements, x & 0xffff0000 for the odd ones); .to(f32)
+    extracts each odd half first (PRMT + SHF)."""
+    if v.dtype is cutlass.Float32:
+        return v
+    w = v.bitcast(cutlass.Int32)
+    lo = (w * 65536).bitcast(cutlass.Float32)
+    hi = (w & -65536).bitcast(cutlass.Float32)
+    t = cute.make_rmem_tensor((8,), cutlass.Float32)
+    for i in range(4):
+        t[2 * i] = lo[i]
+        t[2 * i + 1] = hi[i]
+    return t.load().reshape(v.shape)
+
+
 @dataclass(frozen=True)
 class AttnResAdaConfig:
     # 16-byte vectors of a row owned by each thread: threads = max_hidden / 8 / vecs_per_thread
@@ -278,21 +294,21 @@ class AttnResAda:
             if k < hd:
                 # prefix of a has_delta row: park it (fp32) in the mix registers until delta
                 for j in cutlass.range_constexpr(VPT):
-                    mix[j].store(tsR[None, 0, j, stage].load().to(f32))
+                    mix[j].store(_widen(tsR[None, 0, j, stage].load()))
             else:
                 if k == hd:
                     # ---- p: the first source of the row
                     if hd != 0:
                         tP = thr_r.partition_D(cute.local_tile(prefix[m, None], (TV,), (None,)))
                         for j in cutlass.range_constexpr(VPT):
-                            pf = mix[j].load() + tsR[None, 0, j, stage].load().to(f32)
+                            pf = mix[j].load() + _widen(tsR[None, 0, j, stage].load())
                             ta.store(pf.to(dt))             # round to nearest even
-                            xf[j].store(ta.load().to(f32))
+                            xf[j].store(_widen(ta.load()))
                             if (tidx + j * T) * _VEC < H:
                                 cute.copy(copy_r, ta, tP[None, 0, j])
                     else:
                         for j in cutlass.range_constexpr(VPT):
-                            xf[j].store(tsR[None, 0, j, stage].load().to(f32))
+                            xf[j].store(_widen(tsR[None, 0, j, stage].load()))
                     if w_idx >= 0:
                         tB = thr_r.partition_D(cute.local_tile(blocks[m, w_idx, None], (TV,), (None,)))
                         for j in cutlass.range_constexpr(VPT):
@@ -308,7 +324,7 @@ class AttnResAda:
                 else:
                     # ---- a block source: online softmax; rescale only when the max grows
                     for j in cutlass.range_constexpr(VPT):
-                        xf[j].store(tsR[None, 0, j, stage].load().to(f32))
+                        xf[j].store(_widen(tsR[None, 0, j, stage].load()))
                     s_i = self.score(xf, sW, copy_r, tNW, tQW, ta, tb, H, tidx,
                                      sRed, ctr, warp, lane, inv_h, eps)
                     if s_i > st[0]:
@@ -337,7 +353,7 @@ class AttnResAda:
                         for j in cutlass.range_constexpr(VPT):
                             if (tidx + j * T) * _VEC < H:
                                 cute.copy(copy_r, tON[None, 0, j], ta)
-                                tb.store((mix[j].load() * rn * ta.load().to(f32)).to(dt))
+                                tb.store((mix[j].load() * rn * _widen(ta.load())).to(dt))
                                 cute.copy(copy_r, tb, tO[None, 0, j])
                     else:
                         for j in cutlass.range_constexpr(VPT):
@@ -410,7 +426,7 @@ class AttnResAda:
                 if (tidx + j * T) * _VEC < H:
                     cute.copy(copy_r, tNW[None, 0, j], ta)
                     cute.copy(copy_r, tQW[None, 0, j], tb)
-                wj = ta.load().to(f32) * tb.load().to(f32)
+                wj = _widen(ta.load()) * _widen(tb.load())
             if cutlass.const_expr(j == 0):
                 acc_ss = x * x
                 acc_d = x * wj
