@@ -46,8 +46,10 @@ def dsl_version() -> str:
 def source_hash(op: str, design: str) -> str:
     impl = OPS[op].designs[design]
     origin = Path(importlib.util.find_spec(impl.module).origin)
-    # kernels/<design>/_*.py: device code shared by that design's kernels
-    helpers = sorted(p for p in origin.parent.glob("_*.py") if p.name != "__init__.py")
+    # kernels/<design>/_*.py: device code shared by that design's kernels; kernels/_*.py:
+    # shared by every design
+    helpers = sorted(p for d in (origin.parent, origin.parent.parent) for p in d.glob("_*.py")
+                     if p.name != "__init__.py")
     h = hashlib.sha256()
     for p in [origin] + helpers + [_PKG_ROOT / f for f in _COMMON_SOURCES]:
         h.update(p.name.encode())

@@ -44,6 +44,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
+from kernels._cvt import widen
+
 # cp.async (LDGSTS) ring with its commit/wait groups (LDGDEPBAR / DEPBAR); no TMA/bulk copies
 SASS_REQUIRED = ("LDGSTS", "LDGDEPBAR", "DEPBAR")
 SASS_FORBIDDEN = ("UTMALDG", "UBLKCP", "HGMMA")
@@ -56,21 +58,6 @@ _MAX_HIDDEN = (8192, 16384)
 _LOG2_E = math.log2(math.e)
 _VEC = 8  # elements per 16-byte vector
 
-
-def _widen(v):
-    """bf16 TensorSSA of 8 elements -> the same values in fp32 with one integer op per
-    element (x << 16 for the even elements, x & 0xffff0000 for the odd ones); .to(f32)
-    extracts each odd half first (PRMT + SHF)."""
-    if v.dtype is cutlass.Float32:
-        return v
-    w = v.bitcast(cutlass.Int32)
-    lo = (w * 65536).bitcast(cutlass.Float32)
-    hi = (w & -65536).bitcast(cutlass.Float32)
-    t = cute.make_rmem_tensor((8,), cutlass.Float32)
-    for i in range(4):
-        t[2 * i] = lo[i]
-        t[2 * i + 1] = hi[i]
-    return t.load().reshape(v.shape)
 
 
 @dataclass(frozen=True)
@@ -294,21 +281,21 @@ class AttnResAda:
             if k < hd:
                 # prefix of a has_delta row: park it (fp32) in the mix registers until delta
                 for j in cutlass.range_constexpr(VPT):
-                    mix[j].store(_widen(tsR[None, 0, j, stage].load()))
+                    mix[j].store(widen(tsR[None, 0, j, stage].load()))
             else:
                 if k == hd:
                     # ---- p: the first source of the row
                     if hd != 0:
                         tP = thr_r.partition_D(cute.local_tile(prefix[m, None], (TV,), (None,)))
                         for j in cutlass.range_constexpr(VPT):
-                            pf = mix[j].load() + _widen(tsR[None, 0, j, stage].load())
+                            pf = mix[j].load() + widen(tsR[None, 0, j, stage].load())
                             ta.store(pf.to(dt))             # round to nearest even
-                            xf[j].store(_widen(ta.load()))
+                            xf[j].store(widen(ta.load()))
                             if (tidx + j * T) * _VEC < H:
                                 cute.copy(copy_r, ta, tP[None, 0, j])
                     else:
                         for j in cutlass.range_constexpr(VPT):
-                            xf[j].store(_widen(tsR[None, 0, j, stage].load()))
+                            xf[j].store(widen(tsR[None, 0, j, stage].load()))
                     if w_idx >= 0:
                         tB = thr_r.partition_D(cute.local_tile(blocks[m, w_idx, None], (TV,), (None,)))
                         for j in cutlass.range_constexpr(VPT):
@@ -324,7 +311,7 @@ class AttnResAda:
                 else:
                     # ---- a block source: online softmax; rescale only when the max grows
                     for j in cutlass.range_constexpr(VPT):
-                        xf[j].store(_widen(tsR[None, 0, j, stage].load()))
+                        xf[j].store(widen(tsR[None, 0, j, stage].load()))
                     s_i = self.score(xf, sW, copy_r, tNW, tQW, ta, tb, H, tidx,
                                      sRed, ctr, warp, lane, inv_h, eps)
                     if s_i > st[0]:
@@ -353,7 +340,7 @@ class AttnResAda:
                         for j in cutlass.range_constexpr(VPT):
                             if (tidx + j * T) * _VEC < H:
                                 cute.copy(copy_r, tON[None, 0, j], ta)
-                                tb.store((mix[j].load() * rn * _widen(ta.load())).to(dt))
+                                tb.store((mix[j].load() * rn * widen(ta.load())).to(dt))
                                 cute.copy(copy_r, tb, tO[None, 0, j])
                     else:
                         for j in cutlass.range_constexpr(VPT):
@@ -426,7 +413,7 @@ class AttnResAda:
                 if (tidx + j * T) * _VEC < H:
                     cute.copy(copy_r, tNW[None, 0, j], ta)
                     cute.copy(copy_r, tQW[None, 0, j], tb)
-                wj = _widen(ta.load()) * _widen(tb.load())
+                wj = widen(ta.load()) * widen(tb.load())
             if cutlass.const_expr(j == 0):
                 acc_ss = x * x
                 acc_d = x * wj

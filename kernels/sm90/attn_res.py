@@ -57,6 +57,8 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass._mlir.dialects import llvm as _llvm
 from cutlass._mlir.dialects import nvvm as _nvvm
 
+from kernels._cvt import widen
+
 # UBLKCP: cp.async.bulk (non-tensor) global -> shared; SYNCS: mbarrier ops.
 # No LDGSTS (cp.async 16 B path), no local memory (LDL/STL = register spills).
 SASS_REQUIRED = ("UBLKCP", "SYNCS")
@@ -75,22 +77,6 @@ _MAXB = 8  # block sources per row at most (NB <= 8)
 _NV = 2 * (1 + _MAXB)  # reduced values per row in the batched schedule: (ss, dd) per source
 _MAX_LOADS = 2 + _MAXB  # bulk loads per row at most (prefix, delta, blocks)
 
-
-def _widen(v):
-    """bf16 TensorSSA of 8 elements -> the same values in fp32, with one integer op per
-    element (x << 16 for the even elements, x & 0xffff0000 for the odd ones). v.to(Float32)
-    extracts each odd half first (PRMT + SHF: 1.5 instructions per element), and the
-    conversions are ~15% of the AttnRes consumers' instructions."""
-    if v.dtype is Float32:  # already fp32 (_partials of the online schedule's fp32 p)
-        return v
-    w = v.bitcast(Int32)
-    lo = (w * 65536).bitcast(Float32)
-    hi = (w & -65536).bitcast(Float32)
-    t = cute.make_rmem_tensor((8,), Float32)
-    for i in range(4):
-        t[2 * i] = lo[i]
-        t[2 * i + 1] = hi[i]
-    return t.load().reshape(v.shape)
 
 
 @dataclass(frozen=True)
@@ -348,7 +334,7 @@ class AttnResSm90:
                 src = cute.make_tensor(base + cute.assume(j * _CHUNK, divby=_CHUNK),
                                        cute.make_layout(_CHUNK))
                 acc[None, k].store(
-                    (_widen(acc[None, k].load()) + _widen(src.load())).to(self.dtype))
+                    (widen(acc[None, k].load()) + widen(src.load())).to(self.dtype))
 
     @cute.jit
     def _mix_slot(self, ring, slot: Int32, H: Int32, tidx: Int32, nchunk: Int32,
@@ -361,7 +347,7 @@ class AttnResSm90:
             if j < nchunk:
                 src = cute.make_tensor(base + cute.assume(j * _CHUNK, divby=_CHUNK),
                                        cute.make_layout(_CHUNK))
-                acc[None, k].store(acc[None, k].load() * corr + _widen(src.load()) * e)
+                acc[None, k].store(acc[None, k].load() * corr + widen(src.load()) * e)
 
     @cute.jit
     def _axpy_slot(self, ring, slot: Int32, H: Int32, tidx: Int32, nchunk: Int32,
@@ -373,7 +359,7 @@ class AttnResSm90:
             if j < nchunk:
                 src = cute.make_tensor(base + cute.assume(j * _CHUNK, divby=_CHUNK),
                                        cute.make_layout(_CHUNK))
-                acc[None, k].store(acc[None, k].load() + _widen(src.load()) * e)
+                acc[None, k].store(acc[None, k].load() + widen(src.load()) * e)
 
     @cute.jit
     def _store_row(self, gbase: cute.Pointer, tidx: Int32, nchunk: Int32, val: cute.Tensor):
@@ -404,7 +390,7 @@ class AttnResSm90:
         ssk = cute.make_rmem_tensor((nch,), Float32)
         ddk = cute.make_rmem_tensor((nch,), Float32)
         for k in cutlass.range_constexpr(self.cpt):
-            x = _widen(c[None, k].load())
+            x = widen(c[None, k].load())
             if cutlass.const_expr(self.wq_smem):
                 q = wq[None, tidx, k].load()
             else:
@@ -568,7 +554,7 @@ class AttnResSm90:
             rr = cute.math.rsqrt(tot_n * inv_h + out_eps, fastmath=True)
             for k in cutlass.range_constexpr(CPT):
                 cp[None, k].store(
-                    (acc[None, k].load() * rr * _widen(gn[None, k].load()))
+                    (acc[None, k].load() * rr * widen(gn[None, k].load()))
                     .to(self.dtype))
         else:
             for k in cutlass.range_constexpr(CPT):
@@ -679,7 +665,7 @@ class AttnResSm90:
             # ---- mix (slots re-read, each released after its read)
             wp = ep * inv_l
             for k in cutlass.range_constexpr(CPT):
-                acc[None, k].store(_widen(cp[None, k].load()) * wp)
+                acc[None, k].store(widen(cp[None, k].load()) * wp)
             if cutlass.const_expr(C > 1 and CPT == 1):
                 # small M is latency: every slot's chunk is read first (independent shared
                 # memory loads, 8 bf16 registers each), then the FMAs, then one release
@@ -691,7 +677,7 @@ class AttnResSm90:
                 for j in cutlass.range_constexpr(_MAXB):
                     if j < nsrc_b:
                         acc[None, 0].store(acc[None, 0].load()
-                                           + _widen(mixv[j][None, 0].load()) * (eb[j] * inv_l))
+                                           + widen(mixv[j][None, 0].load()) * (eb[j] * inv_l))
                 cute.arch.sync_warp()
                 if lane == 0:
                     for j in cutlass.range_constexpr(_MAXB):
@@ -813,7 +799,7 @@ class AttnResSm90:
             if has_delta != 0:
                 for k in cutlass.range_constexpr(CPT):
                     cp[None, k].store(
-                        (_widen(cp[None, k].load()) + _widen(cd[None, k].load()))
+                        (widen(cp[None, k].load()) + widen(cd[None, k].load()))
                         .to(self.dtype))
                 self._store_row(
                     prefix.iterator + cute.assume(r64 * Int64(s_pre) + cb64, divby=_CHUNK),
@@ -841,13 +827,13 @@ class AttnResSm90:
             # ---- mix from registers
             wp = ep * inv_l
             for k in cutlass.range_constexpr(CPT):
-                acc[None, k].store(_widen(cp[None, k].load()) * wp)
+                acc[None, k].store(widen(cp[None, k].load()) * wp)
             for j in cutlass.range_constexpr(_MAXB):
                 if j < nsrc_b:
                     e = eb[j] * inv_l
                     for k in cutlass.range_constexpr(CPT):
                         acc[None, k].store(acc[None, k].load()
-                                           + _widen(src[j][None, k].load()) * e)
+                                           + widen(src[j][None, k].load()) * e)
 
             # ---- output RMSNorm (one more exchange), store
             self._out_row(acc, gn, cp, red_n, xbuf_n, xbar, par, xph, rank, has_out_norm,
@@ -1125,7 +1111,7 @@ class AttnResSm90:
                                 tidx, nchunk, cp)
 
             for k in cutlass.range_constexpr(CPT):
-                acc[None, k].store(_widen(cp[None, k].load()))
+                acc[None, k].store(widen(cp[None, k].load()))
             ss, dd = self._partials(acc, wq, tidx)
             ss, dd = self._warp_sum2(ss, dd)
             if lane == 0:  # every lane's shared loads fed the butterfly: slots free
@@ -1169,7 +1155,7 @@ class AttnResSm90:
                     else:
                         for k in cutlass.range_constexpr(CPT):
                             acc[None, k].store(acc[None, k].load() * corr
-                                               + _widen(cs[None, k].load()) * e)
+                                               + widen(cs[None, k].load()) * e)
 
             # ---- mix, output RMSNorm, store
             inv_l = Float32(1.0) / l_run
@@ -1189,7 +1175,7 @@ class AttnResSm90:
                 r = cute.math.rsqrt(sq * inv_h + out_eps, fastmath=True)
                 for k in cutlass.range_constexpr(CPT):
                     cp[None, k].store(
-                        (acc[None, k].load() * r * _widen(cs[None, k].load()))
+                        (acc[None, k].load() * r * widen(cs[None, k].load()))
                         .to(self.dtype))
             else:
                 for k in cutlass.range_constexpr(CPT):

@@ -48,6 +48,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
+from kernels._cvt import widen
 from kernels.sm90._bin_scan import collect_round, keep_remainder
 
 SASS_REQUIRED = ("LDG", "STG", "LDGSTS", "LDGDEPBAR", "VOTE")
@@ -248,10 +249,10 @@ class BgmvExpandSm90:
                     for qv in cutlass.range_constexpr(_MAX_RV):
                         if qv < nrv:
                             s32 = cute.make_rmem_tensor((_VEC,), cutlass.Float32)
-                            s32.store(sf[None, qv].load().to(cutlass.Float32))
+                            s32.store(widen(sf[None, qv].load()))
                             for i in cutlass.range_constexpr(NC):
                                 b32 = cute.make_rmem_tensor((_VEC,), cutlass.Float32)
-                                b32.store(bf[None, qv, i].load().to(cutlass.Float32))
+                                b32.store(widen(bf[None, qv, i].load()))
                                 acc = d[i]
                                 for e8 in cutlass.range_constexpr(_VEC):
                                     acc = acc + s32[e8] * b32[e8]
@@ -362,6 +363,9 @@ class BgmvExpandSm90:
         h = tidx // CN
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    self.dtype, num_bits_per_copy=128)
+        slab = b.iterator + cute.assume(cutlass.Int64(l_b) * cutlass.Int64(b.stride[0])
+                                        + cutlass.Int64(e_b) * cutlass.Int64(b.stride[1]),
+                                        divby=_VEC)
         # ---- the group's s rows (own commit group, first)
         for ps in cutlass.range_constexpr((G * _MAX_RV + NT - 1) // NT):
             v = ps * NT + tidx
@@ -375,7 +379,7 @@ class BgmvExpandSm90:
         cute.arch.cp_async_commit_group()
         for st in cutlass.range_constexpr(S - 1):
             if st < nch:
-                self.bin_load_stage(b, sB, l_b, e_b, N, R8, st, st, tidx)
+                self.bin_load_stage(b, slab, sB, N, R8, st, st, tidx)
             cute.arch.cp_async_commit_group()
         # s rows landed (the S-1 newer groups may be pending): convert them to fp32 once
         cute.arch.cp_async_wait_group(S - 1)
@@ -387,7 +391,7 @@ class BgmvExpandSm90:
             if (m < n) & (q < R8):
                 vs = cute.local_tile(sS[m, None], (_VEC,), (q,))
                 vf = cute.local_tile(sSf[m, None], (_VEC,), (q,))
-                vf.store(vs.load().to(cutlass.Float32))
+                vf.store(vs.load().to(cutlass.Float32))  # once per group
 
         # b row in fp32 registers, half of R_max at a time: for R > 32 the chain of every
         # pair is carried across the halves through its (fp32, exact) output element, which
@@ -399,7 +403,7 @@ class BgmvExpandSm90:
             cute.arch.sync_threads()
             nxt = hs + (S - 1)
             if nxt < nch:
-                self.bin_load_stage(b, sB, l_b, e_b, N, R8, nxt, nxt % S, tidx)
+                self.bin_load_stage(b, slab, sB, N, R8, nxt, nxt % S, tidx)
             cute.arch.cp_async_commit_group()
             slot = hs % S
             col = hs * CN + c
@@ -409,6 +413,7 @@ class BgmvExpandSm90:
                         qv = half * HV + qq
                         if qv < R8:
                             vb = cute.local_tile(sB[c, None, slot], (_VEC,), (qv,))
+                            # (.to, not widen: widen spills at 128 registers here)
                             bf[None, qq].store(vb.load().to(cutlass.Float32))
                     for m in cutlass.range(h, n, TPC):
                         pm = slist[off + m]
@@ -431,8 +436,8 @@ class BgmvExpandSm90:
         cute.arch.sync_threads()
 
     @cute.jit
-    def bin_load_stage(self, b: cute.Tensor, sB: cute.Tensor, l_b: cutlass.Int32,
-                       e_b: cutlass.Int32, N: cutlass.Int32, R8: cutlass.Int32,
+    def bin_load_stage(self, b: cute.Tensor, slab: cute.Pointer, sB: cute.Tensor,
+                       N: cutlass.Int32, R8: cutlass.Int32,
                        st: cutlass.Int32, slot: cutlass.Int32, tidx: cutlass.Int32):
         """cp.async column chunk `st` (CN rows of b[l_b, e_b], R elements each) into ring slot
         `slot`; rows past N and vectors past R are not copied (never used)."""
@@ -440,13 +445,18 @@ class BgmvExpandSm90:
         NT, CN = cfg.bin_threads, cfg.bin_cols
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    self.dtype, num_bits_per_copy=128)
+        # 32-bit offsets inside the bin's slab (b[l_b, e_b]: N * R elements) from its base
+        # pointer, computed once per group; indexing the 4-mode tensor per copy was ~15
+        # integer instructions each, a quarter of the bin kernel's instructions
+        s_n = cutlass.Int32(b.stride[2])
         for ps in cutlass.range_constexpr(CN * _MAX_RV // NT):
             v = ps * NT + tidx
             row = v // _MAX_RV
             q = v - row * _MAX_RV
             n = st * CN + row
             if (q < R8) & (n < N):
-                src = cute.local_tile(b[l_b, e_b, n, None], (_VEC,), (q,))
+                src = cute.make_tensor(slab + cute.assume(n * s_n + q * _VEC, divby=_VEC),
+                                       cute.make_layout(_VEC))
                 dst = cute.local_tile(sB[row, None, slot], (_VEC,), (q,))
                 cute.copy(atom, src, dst)
 

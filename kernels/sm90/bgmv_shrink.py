@@ -52,6 +52,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
+from kernels._cvt import widen
 from kernels.sm90._bin_scan import collect_round, keep_remainder
 
 SASS_REQUIRED = ("LDG", "SHFL", "LDGSTS", "LDGDEPBAR", "VOTE")
@@ -323,10 +324,10 @@ class BgmvShrinkSm90:
                         v = (st * unr + u) * 32 + lane
                         if v < nvec:
                             as_ = cute.make_rmem_tensor((_VEC, rw), cutlass.Float32)
-                            as_.store(af[None, None, u].load().to(cutlass.Float32))
+                            as_.store(widen(af[None, None, u].load()))
                             for g in cutlass.range_constexpr(gs):
                                 xs = cute.make_rmem_tensor((_VEC,), cutlass.Float32)
-                                xs.store(xf[None, g, u].load().to(cutlass.Float32))
+                                xs.store(widen(xf[None, g, u].load()))
                                 for i in cutlass.range_constexpr(rw):
                                     c = acc[g * rw + i]
                                     for e8 in cutlass.range_constexpr(_VEC):
@@ -456,12 +457,12 @@ class BgmvShrinkSm90:
                     as_ = cute.make_rmem_tensor((_VEC, RW), cutlass.Float32)
                     for i in cutlass.range_constexpr(RW):
                         va = cute.local_tile(sA[warp * RW + i, None, slot], (_VEC,), (cl,))
-                        as_[None, i].store(va.load().to(cutlass.Float32))
+                        as_[None, i].store(widen(va.load()))
                     for g in cutlass.range_constexpr(G):
                         if g < n:
                             xs = cute.make_rmem_tensor((_VEC,), cutlass.Float32)
                             vx = cute.local_tile(sX[g, None, slot], (_VEC,), (cl,))
-                            xs.store(vx.load().to(cutlass.Float32))
+                            xs.store(widen(vx.load()))
                             for i in cutlass.range_constexpr(RW):
                                 c = acc[g * RW + i]
                                 for e8 in cutlass.range_constexpr(_VEC):
