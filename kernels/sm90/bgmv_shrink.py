@@ -435,9 +435,12 @@ class BgmvShrinkSm90:
             if m < n:                         # (m < n <= G: slot inside the group)
                 xtok[ps] = slist[off + m] // K
 
+        slab = a.iterator + cute.assume(cutlass.Int64(l_b) * cutlass.Int64(a.stride[0])
+                                        + cutlass.Int64(e_b) * cutlass.Int64(a.stride[1]),
+                                        divby=_VEC)
         for st in cutlass.range_constexpr(S - 1):
             if st < n_st:
-                self.bin_load_stage(x, a, sA, sX, l_b, e_b, r0, R, xtok, nvec, st, st, tidx)
+                self.bin_load_stage(x, a, slab, sA, sX, r0, R, xtok, nvec, st, st, tidx)
             cute.arch.cp_async_commit_group()
 
         acc = cute.make_rmem_tensor((G * RW,), cutlass.Float32)
@@ -447,7 +450,7 @@ class BgmvShrinkSm90:
             cute.arch.sync_threads()
             nxt = hs + (S - 1)
             if nxt < n_st:
-                self.bin_load_stage(x, a, sA, sX, l_b, e_b, r0, R, xtok, nvec, nxt, nxt % S, tidx)
+                self.bin_load_stage(x, a, slab, sA, sX, r0, R, xtok, nvec, nxt, nxt % S, tidx)
             cute.arch.cp_async_commit_group()
             slot = hs % S
             for ii in cutlass.range_constexpr(HC // 256):
@@ -484,8 +487,8 @@ class BgmvShrinkSm90:
         cute.arch.sync_threads()
 
     @cute.jit
-    def bin_load_stage(self, x: cute.Tensor, a: cute.Tensor, sA: cute.Tensor, sX: cute.Tensor,
-                       l_b: cutlass.Int32, e_b: cutlass.Int32, r0: cutlass.Int32,
+    def bin_load_stage(self, x: cute.Tensor, a: cute.Tensor, slab: cute.Pointer,
+                       sA: cute.Tensor, sX: cute.Tensor, r0: cutlass.Int32,
                        R: cutlass.Int32, xtok: cute.Tensor, nvec: cutlass.Int32,
                        st: cutlass.Int32, slot: cutlass.Int32, tidx: cutlass.Int32):
         """cp.async H-chunk `st` of A[l_b, e_b, r0:r0+RB, :] and of the group's x rows into
@@ -497,13 +500,17 @@ class BgmvShrinkSm90:
         cpr = HC // _VEC
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    self.dtype, num_bits_per_copy=128)
+        # A rows from the bin's slab pointer with 32-bit offsets (R * H elements), not by
+        # indexing the 4-mode tensor per copy (as in the bin expand)
+        s_r = cutlass.Int32(a.stride[2])
         for ps in cutlass.range_constexpr(RB * cpr // NT):
             v = ps * NT + tidx
             row = v // cpr
             ch = v - row * cpr
             gch = st * cpr + ch
             if (gch < nvec) & (r0 + row < R):
-                src = cute.local_tile(a[l_b, e_b, r0 + row, None], (_VEC,), (gch,))
+                src = cute.make_tensor(slab + cute.assume((r0 + row) * s_r + gch * _VEC,
+                                                          divby=_VEC), cute.make_layout(_VEC))
                 dst = cute.local_tile(sA[row, None, slot], (_VEC,), (ch,))
                 cute.copy(atom, src, dst)
         for ps in cutlass.range_constexpr((G * cpr + NT - 1) // NT):
