@@ -114,9 +114,10 @@ class AttnResRunner:
 
 # rows per launch up to which a row is split over the CTAs of a cluster (sm90 design):
 # with far fewer rows than SMs, one CTA per row leaves most of the GPU idle and each row's
-# sources stream through one SM. Picked from an H200 sweep (perf/results/tune_memops_h200.json,
-# H=7168, K=8): split 8 is best up to M=8, 4 at M=16, 2 at M=32..64, 1 from M=128.
-_SPLIT_FOR_ROWS = ((8, 8), (16, 4), (64, 2))
+# sources stream through one SM. Picked from H200 sweeps (H=7168, K=8): split 8 up to M=16
+# (since the cheaper score reduction, perf/results/tune_memops_h200_attn_res_small.json: M=16
+# 7.4-7.6 us vs 7.6-7.8 with split 4), 2 at M=32..64, 1 from M=128.
+_SPLIT_FOR_ROWS = ((16, 8), (64, 2))
 # rows per launch (exclusive bounds) where the Ada-design kernel serves sm_90a (see choose_kernel)
 _ADA_ROWS = (128, 2048)
 

@@ -1,9 +1,9 @@
-"""Per-phase cycle timeline of the sm90 AttnRes kernel at M = 1 (GPU only, diagnostics).
+"""Per-phase cycle timeline of the sm90 AttnRes split kernels (GPU only, diagnostics).
 
 Export a debug build on the CPU box, then run this with it on the GPU:
     python3 perf/tune_memops.py --make ROOT '{"tl": {"op": "attn_res", "design": "sm90",
         "overrides": {"debug_timeline": true}}}'
-    CUTEKERN_ARTIFACTS=ROOT/tl python3 perf/timeline_attn_res.py
+    CUTEKERN_ARTIFACTS=ROOT/tl python3 perf/timeline_attn_res.py [M ...]   (default M = 1)
 Each CTA of the row-0 cluster prints clock64 cycles since its entry at: the mbarrier init
 barrier, the first (prefix) slot full, all partials, the CTA reduction, the score exchange,
 the mix, the output-norm exchange, the output store, the norm_w * qk_w loads, the cluster
@@ -29,10 +29,10 @@ NAMES = ["entry", "init", "p_full", "partials", "cta_bar", "xchg", "mix", "onorm
 def main():
     os.environ["CUTEKERN_DESIGN"] = "sm90"
     r = lambda *s: torch.randn(*s, device="cuda").to(torch.bfloat16)  # noqa: E731
-    for split in (8, 4, 2):
+    for m, split in [(int(a), sp) for a in (sys.argv[1:] or ["1"]) for sp in (8, 4, 2)]:
         os.environ["CUTEKERN_ATTN_RES_SPLIT"] = str(split)
-        prefix, delta, blocks, nw, qw, onw = r(1, H), r(1, H), r(1, NB, H), r(H), r(H) * 0.05, r(H)
-        out = torch.empty(1, H, dtype=torch.bfloat16, device="cuda")
+        prefix, delta, blocks, nw, qw, onw = r(m, H), r(m, H), r(m, NB, H), r(H), r(H) * 0.05, r(H)
+        out = torch.empty(m, H, dtype=torch.bfloat16, device="cuda")
         run = prepare_attn_res(prefix, delta, blocks, nw, qw, onw, out, num_blocks=K).launch
         for _ in range(3):  # the last run: cold L2, warm code
             common.flush_l2()
@@ -42,7 +42,7 @@ def main():
         v = out[0].view(torch.int32)
         for rank in range(split):
             t = v[rank * seg // 2: rank * seg // 2 + len(NAMES)].tolist()
-            print(f"split={split} rank={rank}: " + " ".join(f"{n}={x}" for n, x in zip(NAMES, t)),
+            print(f"M={m} split={split} rank={rank}: " + " ".join(f"{n}={x}" for n, x in zip(NAMES, t)),
                   flush=True)
 
 

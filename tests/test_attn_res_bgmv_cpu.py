@@ -168,7 +168,8 @@ def test_attn_res_kernel_choice(monkeypatch):
     monkeypatch.delenv("CUTEKERN_DESIGN", raising=False)
     monkeypatch.delenv("CUTEKERN_ATTN_RES_SPLIT", raising=False)
     assert choose_kernel(1, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 8})
-    assert choose_kernel(16, 7168, "sm_90a", "sm90")[1]["row_split"] == 4
+    assert choose_kernel(16, 7168, "sm_90a", "sm90")[1]["row_split"] == 8
+    assert choose_kernel(17, 7168, "sm_90a", "sm90")[1]["row_split"] == 2
     assert choose_kernel(64, 7168, "sm_90a", "sm90")[1]["row_split"] == 2
     assert choose_kernel(128, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 1})
     assert choose_kernel(129, 7168, "sm_90a", "sm90") == ("ada", {"max_hidden": 8192, "row_split": 1})

@@ -112,7 +112,7 @@ class AttnResSm90Config:
         mbarrier inits, the producer's one-by-one bulk copies and the shared-memory round
         trips on a latency-bound path; same arithmetic, same bits.
     debug_timeline: diagnostics only, never exported by default: consumer thread 0 of the
-        CTA(s) of row 0 records clock64 at the phases of the batched schedule and writes the
+        CTA(s) of row 0 records clock64 at the phases of the batched and direct schedules and writes the
         cycle counts over the first 64 bytes of its segment of out[0]
         (perf/timeline_attn_res.py reads them)."""
 
@@ -471,12 +471,37 @@ class AttnResSm90:
         one batched butterfly (independent shuffles), one barrier, and (row_split > 1) one
         DSMEM exchange of the CTA totals (st.async, complete_tx on each CTA's xbar)."""
         C = self.row_split
+        # reduce-scatter butterfly: at each level a lane keeps one half of its values (the
+        # upper half when its lane bit is set, padded to even) and adds the partner's copy of
+        # that half, so 9 + 5 + 3 + 2 + 1 = 20 shuffles instead of 5 x 18 (the shuffle unit,
+        # shared by the SM's warps, set the pace: ~550 of the cycles at M = 1). Lane L ends
+        # with the warp total of value `first` (none when rlen == 0). Fixed by the lane: the
+        # same bits every run, in every schedule that calls this.
+        first = Int32(0)
+        rlen = Int32(_NV)
+        n = _NV
         for i in cutlass.range_constexpr(5):
-            for v in cutlass.range_constexpr(_NV):
-                part[v] = part[v] + cute.arch.shuffle_sync_bfly(part[v], offset=16 >> i)
-        if lane == 0:
-            for v in cutlass.range_constexpr(_NV):
-                red_s[(warp, v, par)] = part[v]
+            off = 16 >> i
+            if cutlass.const_expr(n % 2 == 1):
+                part[n] = Float32(0.0)
+                n = n + 1
+            h = n // 2
+            up = (lane & off) != 0
+            for k in cutlass.range_constexpr(h):
+                keep = part[k]
+                send = part[h + k]
+                if up:
+                    keep = part[h + k]
+                    send = part[k]
+                part[k] = keep + cute.arch.shuffle_sync_bfly(send, offset=off)
+            if up:
+                first = first + h
+                rlen = cutlass.max(rlen - h, Int32(0))
+            else:
+                rlen = cutlass.min(rlen, Int32(h))
+            n = h
+        if rlen > 0:
+            red_s[(warp, first, par)] = part[0]
         cute.arch.barrier(barrier_id=1, number_of_threads=self.num_threads_c)
         if cutlass.const_expr(self.cfg.debug_timeline):
             tl[4] = cute.arch.clock64()
@@ -498,8 +523,13 @@ class AttnResSm90:
                 for r in cutlass.range_constexpr(C):
                     _st_async_f32(dst, val, xbar + par, r)
             cute.arch.mbarrier_wait(xbar + par, xph)
+            # lane v sums value v over the CTAs (the tree of _vsum) and broadcasts it
+            vl = lane
+            if lane >= _NV:
+                vl = Int32(0)
+            val = self._vsum(xbuf_s[(None, vl, par)])
             for v in cutlass.range_constexpr(_NV):
-                tot[v] = self._vsum(xbuf_s[(None, v, par)])
+                tot[v] = cute.arch.shuffle_sync(val, v)
 
     @cute.jit
     def _softmax(self, tot: cute.Tensor, tb: cute.Tensor, eb: cute.Tensor, nsrc_b: Int32,
@@ -741,8 +771,23 @@ class AttnResSm90:
                 self._load_row(blocks.iterator + cute.assume(off, divby=_CHUNK), tidx,
                                nchunk, src[j])
 
+    def _direct_regs(self):
+        """split_direct registers: p, delta, the block sources, out_norm_w (bf16; chunks past
+        the segment are never loaded and stay 0)."""
+        CPT = self.cpt
+        cp = cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)
+        cd = cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)
+        src = [cute.make_rmem_tensor((_CHUNK, CPT), self.dtype) for _ in range(_MAXB)]
+        gn = cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)
+        cp.fill(0.0)
+        cd.fill(0.0)
+        gn.fill(0.0)
+        for j in range(_MAXB):
+            src[j].fill(0.0)
+        return cp, cd, src, gn
+
     @cute.jit
-    def _rows_direct(self, xbar, red_s, red_n, xbuf_s, xbuf_n, wq, nw_r, qw_r,
+    def _rows_direct(self, dregs, xbar, red_s, red_n, xbuf_s, xbuf_n, wq, nw_r, qw_r,
                      prefix: cute.Tensor,
                      delta: cute.Tensor, blocks: cute.Tensor, out_norm_w: cute.Tensor,
                      out: cute.Tensor, cid: Int32, ncl: Int32, rank: Int32, cbase: Int32,
@@ -751,9 +796,9 @@ class AttnResSm90:
                      tidx: Int32, warp: Int32, lane: Int32, tl: cute.Tensor):
         """Split kernels (row_split > 1, cfg.split_direct): the batched schedule with every
         source of a row loaded straight into registers; the same arithmetic (and so the same
-        bits) as _rows_batched. The first row's loads go out before anything waits (the
-        norm_w * qk_w products, the cluster barrier); each next row's loads go out as soon
-        as the current row's registers are free."""
+        bits) as _rows_batched. The first row's loads went out at kernel entry (dregs, before
+        anything waits); each next row's loads go out as soon as the current row's registers
+        are free."""
         CPT = self.cpt
         M = prefix.shape[0]
         H = prefix.shape[1]
@@ -764,16 +809,7 @@ class AttnResSm90:
         inv_h = Float32(1.0) / Float32(H)
         cb64 = Int64(cbase)
 
-        cp = cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)
-        cd = cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)
-        src = [cute.make_rmem_tensor((_CHUNK, CPT), self.dtype) for _ in range(_MAXB)]
-        gn = cute.make_rmem_tensor((_CHUNK, CPT), self.dtype)
-        # chunks past the segment are never loaded: they stay 0
-        cp.fill(0.0)
-        cd.fill(0.0)
-        gn.fill(0.0)
-        for j in cutlass.range_constexpr(_MAXB):
-            src[j].fill(0.0)
+        cp, cd, src, gn = dregs
         if has_out_norm != 0:
             self._load_gvec(out_norm_w, cbase, tidx, nchunk, gn)
         acc = cute.make_rmem_tensor((_CHUNK, CPT), Float32)
@@ -782,9 +818,6 @@ class AttnResSm90:
         tb = cute.make_rmem_tensor((_MAXB,), Float32)
         eb = cute.make_rmem_tensor((_MAXB,), Float32)
 
-        if cid < M:
-            self._issue_row(cid, prefix, delta, blocks, cbase, nchunk, w_idx, nsrc_b,
-                            has_delta, tidx, cp, cd, src)
         for k in cutlass.range_constexpr(CPT):
             wq[None, k].store(nw_r[None, k].load().to(Float32) * qw_r[None, k].load().to(Float32))
         # peers store into this CTA's xbuf / xbar only after this (the kernel arrived)
@@ -811,6 +844,8 @@ class AttnResSm90:
 
             # ---- partials, one batched butterfly, one barrier, one DSMEM exchange
             a, b = self._partials(cp, wq, tidx)
+            if cutlass.const_expr(self.cfg.debug_timeline):
+                tl[2] = cute.arch.clock64()
             part[0] = a
             part[1] = b
             for j in cutlass.range_constexpr(_MAXB):
@@ -820,8 +855,12 @@ class AttnResSm90:
                     a2, b2 = self._partials(src[j], wq, tidx)
                     part[2 + 2 * j] = a2
                     part[3 + 2 * j] = b2
+            if cutlass.const_expr(self.cfg.debug_timeline):
+                tl[3] = cute.arch.clock64()
             self._score_totals(part, red_s, xbuf_s, xbar, tot, par, xph, rank, tidx, warp,
                                lane, tl)
+            if cutlass.const_expr(self.cfg.debug_timeline):
+                tl[5] = cute.arch.clock64()
             ep, inv_l = self._softmax(tot, tb, eb, nsrc_b, lg_mult, inv_h, eps)
 
             # ---- mix from registers
@@ -834,13 +873,19 @@ class AttnResSm90:
                     for k in cutlass.range_constexpr(CPT):
                         acc[None, k].store(acc[None, k].load()
                                            + widen(src[j][None, k].load()) * e)
+            if cutlass.const_expr(self.cfg.debug_timeline):
+                tl[6] = cute.arch.clock64()
 
             # ---- output RMSNorm (one more exchange), store
             self._out_row(acc, gn, cp, red_n, xbuf_n, xbar, par, xph, rank, has_out_norm,
                           inv_h, out_eps, tidx, warp, lane)
+            if cutlass.const_expr(self.cfg.debug_timeline):
+                tl[7] = cute.arch.clock64()
             self._store_row(
                 out.iterator + cute.assume(r64 * Int64(s_out) + cb64, divby=_CHUNK),
                 tidx, nchunk, cp)
+            if cutlass.const_expr(self.cfg.debug_timeline):
+                tl[8] = cute.arch.clock64()
             if row + ncl < M:
                 self._issue_row(row + ncl, prefix, delta, blocks, cbase, nchunk, w_idx,
                                 nsrc_b, has_delta, tidx, cp, cd, src)
@@ -921,6 +966,15 @@ class AttnResSm90:
         xbuf_s = storage.xbuf_s.get_tensor(
             cute.make_layout((C, _NV, 2), stride=(1, C, _NV * C)))
         xbuf_n = storage.xbuf_n.get_tensor(cute.make_layout((C, 2), stride=(1, C)))
+
+        # split_direct: the first row's loads go out at entry, before the mbarrier init and
+        # the CTA barrier (~350-530 cycles at M = 1..16, debug_timeline, H200)
+        dregs = None
+        if cutlass.const_expr(self.direct):
+            dregs = self._direct_regs()
+            if cid < M:
+                self._issue_row(cid, prefix, delta, blocks, cbase, nchunk, w_idx, nsrc_b,
+                                has_delta, tidx, dregs[0], dregs[1], dregs[2])
 
         # lane 0 of every warp initializes every (NW + 1)-th used mbarrier pair. One thread
         # per pair within a warp was ~3900 cycles (2 us) at M = 1: the init takes a uniform
@@ -1029,7 +1083,7 @@ class AttnResSm90:
             acc = cute.make_rmem_tensor((_CHUNK, CPT), Float32)
 
             if cutlass.const_expr(self.direct):
-                self._rows_direct(xbar, red_s, red_n, xbuf_s, xbuf_n, wq, nw_r, qw_r,
+                self._rows_direct(dregs, xbar, red_s, red_n, xbuf_s, xbuf_n, wq, nw_r, qw_r,
                                   prefix, delta,
                                   blocks, out_norm_w, out, cid, ncl, rank, cbase, nchunk,
                                   w_idx, nsrc_b, lg_mult, has_delta, has_out_norm, eps,
