@@ -119,7 +119,7 @@ class AttnResRunner:
 # 7.4-7.6 us vs 7.6-7.8 with split 4), 2 at M=32..64, 1 from M=128.
 _SPLIT_FOR_ROWS = ((16, 8), (64, 2))
 # rows per launch (exclusive bounds) where the Ada-design kernel serves sm_90a (see choose_kernel)
-_ADA_ROWS = (128, 2048)
+_ADA_ROWS = (128, 1024)
 
 
 def _row_split(m, design):
@@ -135,11 +135,11 @@ def choose_kernel(m, h, arch, design):
     """(design, flags) of the kernel that serves M rows of hidden size H.
 
     On sm_90a the cluster-split sm90 kernel serves small M and the sm90 kernel also M = 128
-    and M >= 2048; for 128 < M < 2048 (up to the 8192 hidden tier, where it was measured) the
-    Ada-design kernel, also built for sm_90a, is faster on the H200 (perf/results/attn_res.json
-    at c7fae81: M=256 22.3 vs 24.0 us, M=512 35.4 vs 37.0, M=1024 60.8 vs 61.0; M=128 16.9 vs
-    15.7, M=2048 108.6 vs 107.0), so it serves those shapes unless $CUTEKERN_DESIGN forces a
-    design."""
+    and M >= 1024; for 128 < M < 1024 (up to the 8192 hidden tier, where it was measured) the
+    Ada-design kernel, also built for sm_90a, is as fast or slightly faster on the H200
+    (perf/results/attn_res.json at 411c8fc: M=256 22.2 vs 22.6 us, M=512 35.2 vs 35.3; M=128
+    16.9 vs 14.8, M=1024 60.4 vs 58.5, M=2048 108.1 vs 101.2; the run at da32a0d agrees), so it
+    serves those shapes unless $CUTEKERN_DESIGN forces a design."""
     from .arch import DESIGNS_FOR_ARCH, ENV_DESIGN
     tier = next(t for t in HIDDEN_TIERS if h <= t)
     if (not os.environ.get(ENV_DESIGN) and design == "sm90" and "ada" in DESIGNS_FOR_ARCH[arch]

@@ -162,7 +162,7 @@ def test_bgmv_validation_names_the_argument():
 
 def test_attn_res_kernel_choice(monkeypatch):
     """sm_90a: cluster-split sm90 kernel for small M, the (measured faster) Ada-design kernel
-    for 128 < M < 2048 in the 8192 tier, sm90 again from M = 2048; $CUTEKERN_DESIGN wins;
+    for 128 < M < 1024 in the 8192 tier, sm90 again from M = 1024; $CUTEKERN_DESIGN wins;
     other arches keep their design."""
     from cutekern.attn_res import choose_kernel
     monkeypatch.delenv("CUTEKERN_DESIGN", raising=False)
@@ -173,8 +173,8 @@ def test_attn_res_kernel_choice(monkeypatch):
     assert choose_kernel(64, 7168, "sm_90a", "sm90")[1]["row_split"] == 2
     assert choose_kernel(128, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 1})
     assert choose_kernel(129, 7168, "sm_90a", "sm90") == ("ada", {"max_hidden": 8192, "row_split": 1})
-    assert choose_kernel(2047, 7168, "sm_90a", "sm90") == ("ada", {"max_hidden": 8192, "row_split": 1})
-    assert choose_kernel(2048, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 1})
+    assert choose_kernel(1023, 7168, "sm_90a", "sm90") == ("ada", {"max_hidden": 8192, "row_split": 1})
+    assert choose_kernel(1024, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 1})
     assert choose_kernel(4096, 12344, "sm_90a", "sm90") == ("sm90", {"max_hidden": 16384, "row_split": 1})
     assert choose_kernel(1, 7168, "sm_89", "ada") == ("ada", {"max_hidden": 8192, "row_split": 1})
     assert choose_kernel(1, 7168, "sm_100a", "sm100")[0] == "sm100"
