@@ -90,6 +90,10 @@ class AttnResSm90Config:
         most this; otherwise it lives in shared memory (fp32, conflict-free 16-byte reads)
         so the 16384 tier fits the register file without spills.
     ring_kb: upper bound of the source ring (KiB); clamped to what shared memory has left.
+        192 (13 slots at H = 7168, 3 beyond a row's 10 loads) rather than the 224 that fit:
+        the smaller shared-memory carveout was 2-5% faster at M = 256..1024 and even at 4096
+        in two H200 A/Bs (perf/results/tune_memops_h200_attn_res_ring*.json; 160-176 KiB were
+        faster still at M <= 1024 but slower at M = 4096).
         The ring holds min(max_stages, ring_bytes // (2 seg)) slots at runtime (>= 2).
     max_stages: mbarrier pairs allocated (upper bound of the runtime ring depth).
     split_stages: row_split > 1: ring depth cap (>= 10, one row's loads). The split kernels
@@ -119,7 +123,7 @@ class AttnResSm90Config:
     consumer_warps: int = 8
     split_consumer_warps: int = 8
     wq_max_reg_chunks: int = 4
-    ring_kb: int = 224
+    ring_kb: int = 192
     max_stages: int = 32
     split_stages: int = 12
     split_direct: bool = True
