@@ -118,8 +118,6 @@ class AttnResRunner:
 # (since the cheaper score reduction, perf/results/tune_memops_h200_attn_res_small.json: M=16
 # 7.4-7.6 us vs 7.6-7.8 with split 4), 2 at M=32..64, 1 from M=128.
 _SPLIT_FOR_ROWS = ((16, 8), (64, 2))
-# rows per launch (exclusive bounds) where the Ada-design kernel serves sm_90a (see choose_kernel)
-_ADA_ROWS = (128, 1024)
 
 
 def _row_split(m, design):
@@ -134,17 +132,12 @@ def _row_split(m, design):
 def choose_kernel(m, h, arch, design):
     """(design, flags) of the kernel that serves M rows of hidden size H.
 
-    On sm_90a the cluster-split sm90 kernel serves small M and the sm90 kernel also M = 128
-    and M >= 1024; for 128 < M < 1024 (up to the 8192 hidden tier, where it was measured) the
-    Ada-design kernel, also built for sm_90a, is as fast or slightly faster on the H200
-    (perf/results/attn_res.json at 411c8fc: M=256 22.2 vs 22.6 us, M=512 35.2 vs 35.3; M=128
-    16.9 vs 14.8, M=1024 60.4 vs 58.5, M=2048 108.1 vs 101.2; the run at da32a0d agrees), so it
-    serves those shapes unless $CUTEKERN_DESIGN forces a design."""
-    from .arch import DESIGNS_FOR_ARCH, ENV_DESIGN
+    Each arch runs its own design (on sm_90a: the cluster-split sm90 kernel for small M, the
+    sm90 kernel from M = 128). The Ada-design kernel, also built for sm_90a, served
+    128 < M < 2048 there until the sm90 kernel overtook it (perf/results/attn_res.json at
+    fc0b48b: M=256 21.5 vs 22.3 us, M=512 34.1 vs 35.6, M=1024 57.2 vs 60.2);
+    $CUTEKERN_DESIGN still forces a design."""
     tier = next(t for t in HIDDEN_TIERS if h <= t)
-    if (not os.environ.get(ENV_DESIGN) and design == "sm90" and "ada" in DESIGNS_FOR_ARCH[arch]
-            and _ADA_ROWS[0] < m < _ADA_ROWS[1] and tier == HIDDEN_TIERS[0]):
-        design = "ada"
     # $CUTEKERN_ATTN_RES_SPLIT forces a split (tuning sweeps, perf/tune_memops.py)
     split = int(os.environ.get("CUTEKERN_ATTN_RES_SPLIT", 0)) or _row_split(m, design)
     return design, {"max_hidden": tier, "row_split": split}

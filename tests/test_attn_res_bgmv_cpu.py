@@ -161,9 +161,9 @@ def test_bgmv_validation_names_the_argument():
 
 
 def test_attn_res_kernel_choice(monkeypatch):
-    """sm_90a: cluster-split sm90 kernel for small M, the (measured faster) Ada-design kernel
-    for 128 < M < 1024 in the 8192 tier, sm90 again from M = 1024; $CUTEKERN_DESIGN wins;
-    other arches keep their design."""
+    """sm_90a: the cluster-split sm90 kernel for small M (split 8 up to 16 rows, 2 up to 64),
+    the sm90 kernel from M = 128; a design passed in (what $CUTEKERN_DESIGN selects) is kept,
+    and designs without splits never get one; other arches keep their design."""
     from cutekern.attn_res import choose_kernel
     monkeypatch.delenv("CUTEKERN_DESIGN", raising=False)
     monkeypatch.delenv("CUTEKERN_ATTN_RES_SPLIT", raising=False)
@@ -172,14 +172,13 @@ def test_attn_res_kernel_choice(monkeypatch):
     assert choose_kernel(17, 7168, "sm_90a", "sm90")[1]["row_split"] == 2
     assert choose_kernel(64, 7168, "sm_90a", "sm90")[1]["row_split"] == 2
     assert choose_kernel(128, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 1})
-    assert choose_kernel(129, 7168, "sm_90a", "sm90") == ("ada", {"max_hidden": 8192, "row_split": 1})
-    assert choose_kernel(1023, 7168, "sm_90a", "sm90") == ("ada", {"max_hidden": 8192, "row_split": 1})
+    assert choose_kernel(300, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 1})
     assert choose_kernel(1024, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 1})
     assert choose_kernel(4096, 12344, "sm_90a", "sm90") == ("sm90", {"max_hidden": 16384, "row_split": 1})
     assert choose_kernel(1, 7168, "sm_89", "ada") == ("ada", {"max_hidden": 8192, "row_split": 1})
     assert choose_kernel(1, 7168, "sm_100a", "sm100")[0] == "sm100"
-    monkeypatch.setenv("CUTEKERN_DESIGN", "sm90")
-    assert choose_kernel(1024, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 1})
+    assert choose_kernel(300, 7168, "sm_90a", "ada") == ("ada", {"max_hidden": 8192, "row_split": 1})
+    assert choose_kernel(1, 7168, "sm_90a", "ada") == ("ada", {"max_hidden": 8192, "row_split": 1})
 
 
 def test_bgmv_sm90_pair_kernel_shape_set():
