@@ -59,7 +59,6 @@ _LOG2_E = math.log2(math.e)
 _VEC = 8  # elements per 16-byte vector
 
 
-
 @dataclass(frozen=True)
 class AttnResAdaConfig:
     # 16-byte vectors of a row owned by each thread: threads = max_hidden / 8 / vecs_per_thread

@@ -78,7 +78,6 @@ _NV = 2 * (1 + _MAXB)  # reduced values per row in the batched schedule: (ss, dd
 _MAX_LOADS = 2 + _MAXB  # bulk loads per row at most (prefix, delta, blocks)
 
 
-
 @dataclass(frozen=True)
 class AttnResSm90Config:
     """consumer_warps: compute warps (plus one producer warp) for row_split = 1. Each consumer
@@ -91,9 +90,10 @@ class AttnResSm90Config:
         so the 16384 tier fits the register file without spills.
     ring_kb: upper bound of the source ring (KiB); clamped to what shared memory has left.
         192 (13 slots at H = 7168, 3 beyond a row's 10 loads) rather than the 224 that fit:
-        the smaller shared-memory carveout was 2-5% faster at M = 256..1024 and even at 4096
-        in two H200 A/Bs (perf/results/tune_memops_h200_attn_res_ring*.json; 160-176 KiB were
-        faster still at M <= 1024 but slower at M = 4096).
+        a shallower look-ahead was 2-5% faster at M = 256..1024 and not slower at 4096 (with
+        16 slots the next row's loads competed with the current row's last ones for DRAM;
+        224 KiB capped at 13 slots times the same; 11-12 slots lose at M = 4096;
+        perf/results/tune_memops_h200_attn_res_ring*.json).
         The ring holds min(max_stages, ring_bytes // (2 seg)) slots at runtime (>= 2).
     max_stages: mbarrier pairs allocated (upper bound of the runtime ring depth).
     split_stages: row_split > 1: ring depth cap (>= 10, one row's loads). The split kernels
@@ -116,8 +116,8 @@ class AttnResSm90Config:
         mbarrier inits, the producer's one-by-one bulk copies and the shared-memory round
         trips on a latency-bound path; same arithmetic, same bits.
     debug_timeline: diagnostics only, never exported by default: consumer thread 0 of the
-        CTA(s) of row 0 records clock64 at the phases of the batched and direct schedules and writes the
-        cycle counts over the first 64 bytes of its segment of out[0]
+        CTA(s) of row 0 records clock64 at the phases of the batched and direct schedules
+        and writes the cycle counts over the first 64 bytes of its segment of out[0]
         (perf/timeline_attn_res.py reads them)."""
 
     consumer_warps: int = 8
