@@ -108,6 +108,8 @@ def _check_x_a(op, x, lora_a):
     if h % 8 != 0 or h == 0:
         raise _err(op, "x", f"hidden size {h} must be a positive multiple of 8")
     _check_dims(op, "lora_a", num_l, num_e, r)
+    if r * h >= 2 ** 31:  # the sm90 bin kernels address one (adapter, expert) slab in int32
+        raise _err(op, "lora_a", f"one adapter/expert slab r*H = {r * h} elements must be < 2^31")
     _contig(op, "x", x)
     _contig(op, "lora_a", lora_a)
     if lora_a.device != x.device:
@@ -137,6 +139,8 @@ def _check_b(op, lora_b, s_dtype, num_l, num_e, r, dev):
         raise _err(op, "lora_b", f"must be [L={num_l}, E={num_e}, H_out, r={r}], got shape {tuple(lora_b.shape)}")
     if n % 8 != 0 or n == 0:
         raise _err(op, "lora_b", f"output size H_out={n} must be a positive multiple of 8")
+    if n * r >= 2 ** 31:  # the sm90 bin kernels address one (adapter, expert) slab in int32
+        raise _err(op, "lora_b", f"one adapter/expert slab H_out*r = {n * r} elements must be < 2^31")
     _contig(op, "lora_b", lora_b)
     if lora_b.device != dev:
         raise _err(op, "lora_b", f"is on {lora_b.device}, expected {dev}")

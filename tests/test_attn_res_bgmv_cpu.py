@@ -158,6 +158,15 @@ def test_bgmv_validation_names_the_argument():
         bgmv_moe_expand(torch.zeros(14, 16, dtype=BF16), b, ids, lora, w)
     with pytest.raises(ValueError, match="'x' must be on a CUDA device"):
         bgmv_moe_shrink(x, a, ids, lora)
+    # one (adapter, expert) slab must fit int32 offsets (sm90 bin kernels); meta tensors: no
+    # memory, and the shape checks come before the device check
+    big = dict(device="meta", dtype=BF16)
+    with pytest.raises(ValueError, match="'lora_a' one adapter/expert slab"):
+        bgmv_moe_shrink(torch.empty(5, 2 ** 26, **big), torch.empty(1, 1, 32, 2 ** 26, **big),
+                        ids, lora)
+    with pytest.raises(ValueError, match="'lora_b' one adapter/expert slab"):
+        bgmv_moe_expand(torch.empty(15, 32, **big), torch.empty(3, 6, 2 ** 26, 32, **big),
+                        ids.to("meta"), lora.to("meta"), w.to("meta"))
 
 
 def test_attn_res_kernel_choice(monkeypatch):
