@@ -1,5 +1,6 @@
 """Device code shared by the sm90 BGMV bin kernels (shrink and expand): collecting the pairs
-of one (adapter, expert) bin from the pair table, without atomics.
+of one (adapter, expert) bin from the pair table, without atomics, and the base pointer of a
+bin's weight slab.
 
 Both kernels call `collect_round` once per round of NT * SU pairs and then `keep_remainder`
 after processing the full groups; the list order (increasing p) and every value are what the
@@ -64,3 +65,12 @@ def keep_remainder(slist: cute.Tensor, nl: cutlass.Int32, ng: cutlass.Int32,
             slist[tidx] = mv
         cute.arch.sync_threads()
     return rem
+
+
+def slab_ptr(w: cute.Tensor, l_b, e_b, vec: int):
+    """Base pointer of the (adapter, expert) slab w[l_b, e_b] of an [L, E, rows, cols] weight
+    tensor. The bin kernels address a slab's rows from it with 32-bit offsets (prepare time
+    rejects slabs of 2^31 elements or more) instead of indexing the 4-mode tensor per copy."""
+    return w.iterator + cute.assume(cutlass.Int64(l_b) * cutlass.Int64(w.stride[0])
+                                    + cutlass.Int64(e_b) * cutlass.Int64(w.stride[1]),
+                                    divby=vec)

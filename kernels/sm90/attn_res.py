@@ -468,6 +468,17 @@ class AttnResSm90:
         return self._tree(r)
 
     @cute.jit
+    def _lane_totals(self, t: cute.Tensor, tot: cute.Tensor, par: Int32, lane: Int32):
+        """tot[v] <- sum of t[:, v, par] (the tree of _vsum): lane v sums value v and
+        broadcasts it, 18 shuffles instead of every thread summing all 18 columns."""
+        vl = lane
+        if lane >= _NV:
+            vl = Int32(0)
+        val = self._vsum(t[(None, vl, par)])
+        for v in cutlass.range_constexpr(_NV):
+            tot[v] = cute.arch.shuffle_sync(val, v)
+
+    @cute.jit
     def _score_totals(self, part: cute.Tensor, red_s: cute.Tensor, xbuf_s: cute.Tensor, xbar,
                       tot: cute.Tensor, par: Int32, xph: Int32, rank: Int32, tidx: Int32,
                       warp: Int32, lane: Int32, tl: cute.Tensor):
@@ -510,14 +521,7 @@ class AttnResSm90:
         if cutlass.const_expr(self.cfg.debug_timeline):
             tl[4] = cute.arch.clock64()
         if cutlass.const_expr(C == 1):
-            # lane v sums value v over the warps (the tree of _vsum), then broadcasts it:
-            # 18 shuffles instead of 144 adds and 36 shared loads per thread
-            vl = lane
-            if lane >= _NV:
-                vl = Int32(0)
-            val = self._vsum(red_s[(None, vl, par)])
-            for v in cutlass.range_constexpr(_NV):
-                tot[v] = cute.arch.shuffle_sync(val, v)
+            self._lane_totals(red_s, tot, par, lane)
         else:
             if tidx < _NV:
                 val = self._vsum(red_s[(None, tidx, par)])
@@ -527,13 +531,7 @@ class AttnResSm90:
                 for r in cutlass.range_constexpr(C):
                     _st_async_f32(dst, val, xbar + par, r)
             cute.arch.mbarrier_wait(xbar + par, xph)
-            # lane v sums value v over the CTAs (the tree of _vsum) and broadcasts it
-            vl = lane
-            if lane >= _NV:
-                vl = Int32(0)
-            val = self._vsum(xbuf_s[(None, vl, par)])
-            for v in cutlass.range_constexpr(_NV):
-                tot[v] = cute.arch.shuffle_sync(val, v)
+            self._lane_totals(xbuf_s, tot, par, lane)
 
     @cute.jit
     def _softmax(self, tot: cute.Tensor, tb: cute.Tensor, eb: cute.Tensor, nsrc_b: Int32,

@@ -49,7 +49,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from kernels._cvt import widen
-from kernels.sm90._bin_scan import collect_round, keep_remainder
+from kernels.sm90._bin_scan import collect_round, keep_remainder, slab_ptr
 
 SASS_REQUIRED = ("LDG", "STG", "LDGSTS", "LDGDEPBAR", "VOTE")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
@@ -363,9 +363,7 @@ class BgmvExpandSm90:
         h = tidx // CN
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    self.dtype, num_bits_per_copy=128)
-        slab = b.iterator + cute.assume(cutlass.Int64(l_b) * cutlass.Int64(b.stride[0])
-                                        + cutlass.Int64(e_b) * cutlass.Int64(b.stride[1]),
-                                        divby=_VEC)
+        slab = slab_ptr(b, l_b, e_b, _VEC)
         # ---- the group's s rows (own commit group, first)
         for ps in cutlass.range_constexpr((G * _MAX_RV + NT - 1) // NT):
             v = ps * NT + tidx

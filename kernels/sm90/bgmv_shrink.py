@@ -53,7 +53,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from kernels._cvt import widen
-from kernels.sm90._bin_scan import collect_round, keep_remainder
+from kernels.sm90._bin_scan import collect_round, keep_remainder, slab_ptr
 
 SASS_REQUIRED = ("LDG", "SHFL", "LDGSTS", "LDGDEPBAR", "VOTE")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
@@ -435,9 +435,7 @@ class BgmvShrinkSm90:
             if m < n:                         # (m < n <= G: slot inside the group)
                 xtok[ps] = slist[off + m] // K
 
-        slab = a.iterator + cute.assume(cutlass.Int64(l_b) * cutlass.Int64(a.stride[0])
-                                        + cutlass.Int64(e_b) * cutlass.Int64(a.stride[1]),
-                                        divby=_VEC)
+        slab = slab_ptr(a, l_b, e_b, _VEC)
         for st in cutlass.range_constexpr(S - 1):
             if st < n_st:
                 self.bin_load_stage(x, a, slab, sA, sX, r0, R, xtok, nvec, st, st, tidx)
