@@ -16,11 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CONFIGS = {
     "sm90": {
         "default": {},
-        "cg": {"inloop_cop": "cg"},
-        "noalloc": {"inloop_l1": "evict_no_allocate"},
-        "cs": {"inloop_cop": "cs"},
-        "tma": {"addend_inloop": False},
-        "noadd": {"debug_no_addend": True},
+        "c22_n120": {"cluster_m": 2, "num_ctas": 120},
+        "e16_add8": {"epi_m": 16, "addend_stages": 8},
+        "k64_s4_add2_nopdl": {"tile_k": 64, "ab_stages": 4, "addend_stages": 2, "pdl": False},
     },
 }
 

@@ -76,27 +76,6 @@ class LceSm90Config:
         launched so it may start early. Its CTAs that find a free SM begin their mainloops
         while the user phase runs; only the warp that reads the addend waits
         (griddepcontrol.wait) for the user phase to finish.
-    addend_inloop: has_addend only (default; takes precedence over addend_tma): each
-        consumer thread loads its fragment of epilogue subtile e of d[idx[l]] straight into
-        registers (scalar LDGs, no shared memory) a few k-tiles before the end of the
-        mainloop and adds it into the accumulator between two k-tiles (after draining its
-        own WGMMAs; the other warpgroup's keep the tensor cores busy). The epilogue is then
-        the plain one, and the addend costs neither shared-memory bandwidth (the TMA ring
-        wrote and the consumers read 224 KB of fp32 per 128x224 tile) nor epilogue time.
-    inloop_depth: subtile buffers (16 registers each). Subtiles are loaded in groups of
-        `depth`: group 0 at one point, and subtile e + depth right after subtile e's add.
-        ptxas tracks all these loads on one scoreboard and waits for all outstanding ones
-        at the first add that needs a new value, i.e. at the first add of every group, so
-        the adds of a group sit at consecutive k-tiles and `gap` k-tiles after the group's
-        last load (loads issued behind the ring's TMA traffic take thousands of cycles).
-    inloop_gap: k-tiles between a group's last load and its first add.
-    inloop_first_gap: the same for a CTA's first tile, whose loads wait for the user phase
-        (pdl): a shorter gap starts them later, so the mainloop runs meanwhile.
-    inloop_tail: k-tiles after the last add (their WGMMAs cover the last add's drain).
-    inloop_stagger: the second consumer warpgroup's boundaries sit this many k-tiles
-        earlier, so one warpgroup's drain and adds overlap the other's WGMMAs.
-    debug_inloop_drain_only: diagnostics only: the boundaries drain the WGMMAs but neither
-        load nor add the addend (wrong output; times the drains alone).
     debug_no_epilogue: diagnostics only (never exported by default): skip the epilogue,
         so the output is not written; times the loads and WGMMAs alone.
     debug_no_addend: diagnostics only: the epilogue neither loads nor adds the addend.
@@ -117,15 +96,6 @@ class LceSm90Config:
     epi_m: int = 32
     addend_tma: bool = True
     addend_stages: int = 4
-    addend_inloop: bool = True
-    inloop_depth: int = 4
-    inloop_gap: int = 7
-    inloop_first_gap: int = 3
-    inloop_tail: int = 1
-    inloop_stagger: int = 1
-    inloop_cop: str = ""
-    inloop_l1: str = ""
-    debug_inloop_drain_only: bool = False
     cluster_n: int = 2
     cluster_m: int = 1
     num_ctas: int = 132
@@ -152,7 +122,7 @@ def _fit_stages(cfg: LceSm90Config, ab_dtype, c_dtype, has_addend: bool) -> tupl
     the addend is TMA-loaded."""
     left = _SMEM_CAPACITY - _SMEM_RESERVED - cfg.ab_stages * _ab_stage_bytes(cfg, ab_dtype)
     epi_b = _epi_stage_bytes(cfg, c_dtype)
-    if not (has_addend and cfg.addend_tma and not cfg.addend_inloop):
+    if not (has_addend and cfg.addend_tma):
         # 1024-byte alignment padding for each of the three buffers (conservative: every
         # buffer size is a multiple of 1024 bytes, so only the barrier block pads)
         left -= 3 * 1024
@@ -172,34 +142,6 @@ def _fit_stages(cfg: LceSm90Config, ab_dtype, c_dtype, has_addend: bool) -> tupl
 
 def _fit_epi_stages(cfg: LceSm90Config, ab_dtype, c_dtype, has_addend: bool = False) -> int:
     return _fit_stages(cfg, ab_dtype, c_dtype, has_addend)[0]
-
-
-def _inloop_plan(num_sub: int, depth: int) -> list:
-    """Boundary positions of the in-loop addend, as (c, g) = c + g * gap k-tiles before the
-    last boundary, for boundary 0 (loads subtiles 0 .. depth-1) and boundaries 1..num_sub
-    (boundary s + 1 adds subtile s, then loads subtile s + depth into its buffer). A group
-    of `depth` subtiles is added at consecutive k-tiles, the first of them `gap` k-tiles
-    after the group's last load (see LceSm90Config.inloop_depth)."""
-    add = []  # add position of subtile s as (c, g), counted forward from subtile 0
-    for s in range(num_sub):
-        if s == 0:
-            add.append((0, 0))
-        elif s % depth:
-            add.append((add[s - 1][0] + 1, add[s - 1][1]))
-        else:
-            # first of a group: that group's last member is loaded right after the add of
-            # subtile s - depth + (group size - 1)
-            c, g = add[s - depth + min(depth, num_sub - s) - 1]
-            add.append((c, g + 1))
-    plan = [(0, -1)] + add  # boundary 0: one gap before subtile 0's add
-    lc, lg = plan[-1]
-    return [(lc - c, lg - g) for c, g in plan]
-
-
-def _inloop_plan_ok(num_sub: int, depth: int, gap: int) -> bool:
-    """The adds of a plan run in subtile order at distinct k-tiles."""
-    pos = [-(c + g * gap) for c, g in _inloop_plan(num_sub, depth)]
-    return all(x < y for x, y in zip(pos, pos[1:]))
 
 
 def _mma_regs(num_mma_wg: int) -> int:
@@ -233,11 +175,7 @@ class LceGemmSm90:
         self.ab_stages = config.ab_stages
         self.epi_stages, self.addend_stages = _fit_stages(
             config, ab_dtype, c_dtype, self.has_addend)
-        self.addend_inloop = self.has_addend and config.addend_inloop
-        self.hinted_loads = bool(config.inloop_cop) or bool(config.inloop_l1)
-        self.inloop_cop = config.inloop_cop if config.inloop_cop else None
-        self.inloop_l1 = config.inloop_l1 if config.inloop_l1 else None
-        self.addend_tma = self.has_addend and config.addend_tma and not config.addend_inloop
+        self.addend_tma = self.has_addend and config.addend_tma
         self.epi_tile = (config.tile_n, config.epi_m)
         self.load_warp_id = 0
         self.addend_load_warp_id = 1  # idle otherwise: second warp of the producer warpgroup
@@ -266,16 +204,7 @@ class LceGemmSm90:
             return False
         if cfg.ab_stages < 2 or cfg.epi_stages < 2:
             return False
-        tma_addend = has_addend and cfg.addend_tma and not cfg.addend_inloop
-        if tma_addend and cfg.addend_stages < 1:
-            return False
-        if not (1 <= cfg.inloop_depth <= 4 and 1 <= cfg.inloop_gap <= 16
-                and 1 <= cfg.inloop_first_gap <= 16 and 0 <= cfg.inloop_tail <= 8
-                and 0 <= cfg.inloop_stagger <= 4):
-            return False
-        if cfg.tile_m % cfg.epi_m == 0 and not all(
-                _inloop_plan_ok(cfg.tile_m // cfg.epi_m, cfg.inloop_depth, g)
-                for g in (cfg.inloop_gap, cfg.inloop_first_gap)):
+        if has_addend and cfg.addend_tma and cfg.addend_stages < 1:
             return False
         if cfg.cluster_m not in (1, 2, 4) or cfg.cluster_n not in (1, 2, 4):
             return False
@@ -293,7 +222,7 @@ class LceGemmSm90:
         epi, add = _fit_stages(cfg, ab_dtype, c_dtype, bool(has_addend))
         if epi < 2:
             return False
-        if tma_addend and add < 1:
+        if has_addend and cfg.addend_tma and add < 1:
             return False
         return True
 
@@ -445,19 +374,6 @@ class LceGemmSm90:
             crd = crds[v]
             if cute.elem_less(crd, extent_nm):
                 dst[v] = gD[crd]
-
-    @cute.jit
-    def _load_addend_hint(self, thr_copy_r2s, cC_t, gD, extent_nm, ecrd, dst):
-        """_load_addend with the configured cache hints (inloop_cop / inloop_l1)."""
-        crds = thr_copy_r2s.partition_S(cute.local_tile(cC_t, self.epi_tile, ecrd))
-        for v in cutlass.range_constexpr(cute.size(dst)):
-            dst[v] = cutlass.Float32(0.0)
-            crd = crds[v]
-            if cute.elem_less(crd, extent_nm):
-                off = cute.crd2idx(crd, gD.layout)
-                dst[v] = cute.arch.load(
-                    (gD.iterator + off).llvm_ptr, cutlass.Float32,
-                    cop=self.inloop_cop, level1_eviction_priority=self.inloop_l1)
 
     @cute.kernel
     def kernel(
@@ -697,11 +613,7 @@ class LceGemmSm90:
                 tRS_sAdd = thr_copy_r2s.partition_S(sAdd)  # (R2S, R2S_M, R2S_N, ADD_STAGE)
                 add_cons_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, self.addend_stages)
-            use_ldg_addend = self.has_addend and not (self.addend_tma or self.addend_inloop)
-            inloop = self.addend_inloop
-            depth = self.cfg.inloop_depth
-            inloop_back = _inloop_plan(epi_num, depth)
-            rAddIn = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in range(depth)]
+            use_ldg_addend = self.has_addend and not self.addend_tma
             if cutlass.const_expr(self.cfg.pdl and use_ldg_addend):
                 cute.arch.griddepcontrol_wait()  # these threads read d, the user phase's output
             dbg = self.cfg.debug_timeline
@@ -728,10 +640,8 @@ class LceGemmSm90:
                 # latency hides behind it
                 cC_t = gcC[(None, None, tc[0], tc[1])]
                 gD = mD[(None, None, 0)]
-                u_l = cutlass.Int32(0)
-                if cutlass.const_expr(use_ldg_addend or inloop):
-                    u_l = idx[tc[2]]
-                    gD = mD[(None, None, u_l)]
+                if cutlass.const_expr(use_ldg_addend):
+                    gD = mD[(None, None, idx[tc[2]])]
                 # WGMMA of k-tile j overlaps the wait for k-tile j+1; the stage of k-tile
                 # j-1 is released once its WGMMA has retired.
                 read_state.reset_count()
@@ -739,86 +649,21 @@ class LceGemmSm90:
                 # the tile's first WGMMA overwrites the accumulator (no zero fill)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                 warpgroup.fence()
-                # In-loop addend: the k-tiles run in segments; at boundary i >= 1 (after
-                # segment i - 1) this thread adds subtile i - 1 into the accumulator and
-                # loads subtile i - 1 + depth; boundary 0 loads subtiles 0 .. depth - 1.
-                # Positions: _inloop_plan, clamped so that every add follows at least one
-                # WGMMA (the tile's first WGMMA overwrites the accumulator).
-                nseg = 1
-                gap = cutlass.Int32(self.cfg.inloop_gap)
-                tail = cutlass.Int32(self.cfg.inloop_tail)
-                if cutlass.const_expr(inloop):
-                    nseg = epi_num + 2
-                    gap = cutlass.Int32(cutlass.select_(
-                        j == 0, self.cfg.inloop_first_gap, self.cfg.inloop_gap))
-                    tail = tail + (wg_idx - 1) * self.cfg.inloop_stagger
-                kt0 = cutlass.Int32(0)
-                for seg in cutlass.range_constexpr(nseg):
-                    kt1 = k_tile_cnt
-                    if cutlass.const_expr(seg <= epi_num and inloop):
-                        # boundary seg (seg >= 1 adds subtile seg - 1) sits
-                        # back_c + back_g * gap k-tiles before the last one (see _inloop_plan)
-                        back_c, back_g = inloop_back[seg]
-                        kt1 = k_tile_cnt - tail - back_c - back_g * gap
-                        kt1 = cutlass.min(cutlass.max(kt1, 0 if seg == 0 else 1), k_tile_cnt)
-                    for k_tile in range(kt0, kt1):
-                        ab_pipeline.consumer_wait(read_state)
-                        if cutlass.const_expr(dbg):
-                            if tl_on & (k_tile == 0):
-                                tl[tl_slot + 1] = cutlass.Int32(cute.arch.clock64() - t_base)
-                        for kb in cutlass.range_constexpr(num_k_blocks):
-                            kc = (None, None, kb, read_state.index)
-                            cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
-                            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(1)
-                        if k_tile > 0:
-                            ab_pipeline.consumer_release(release_state)
-                            release_state.advance()
-                        read_state.advance()
-                    kt0 = kt1
-                    if cutlass.const_expr(seg <= epi_num and inloop):
-                        if cutlass.const_expr(seg >= 1):
-                            # the accumulator registers may be touched only once this
-                            # warpgroup's WGMMAs have retired; an FADD (not the load itself)
-                            # defines them, so ptxas keeps the WGMMAs asynchronous
-                            warpgroup.wait_group(0)
-                            if cutlass.const_expr(not self.cfg.debug_inloop_drain_only):
-                                buf = rAddIn[(seg - 1) % depth]
-                                for v in cutlass.range_constexpr(size_rD):
-                                    tRS_rAcc[(seg - 1) * size_rD + v] = \
-                                        tRS_rAcc[(seg - 1) * size_rD + v] + buf[v]
-                            warpgroup.fence()
-                        # subtiles loaded here: 0 .. depth-1 at boundary 0, then one
-                        # (seg - 1 + depth) per boundary into the buffer just added
-                        lo_s = 0 if seg == 0 else seg - 1 + depth
-                        hi_s = min(depth if seg == 0 else seg + depth, epi_num)
-                        if cutlass.const_expr(lo_s < hi_s and
-                                              not self.cfg.debug_inloop_drain_only):
-                            gDz = gD
-                            if cutlass.const_expr(seg == 0 and self.cfg.pdl):
-                                if j == 0:
-                                    # d is written by the previous grid (the user phase)
-                                    cute.arch.griddepcontrol_wait()
-                            if cutlass.const_expr(seg >= 1):
-                                # Left alone, ptxas hoists these loads above the adds just
-                                # made, onto the scoreboard the adds wait on, so every add
-                                # waited for the NEXT subtile's L2 round trip. An address
-                                # offset that is always 0 (u_l >= 0: cand_to_user is
-                                # validated) but computed from an add's result keeps them
-                                # after the adds.
-                                x0 = tRS_rAcc[(seg - 1) * size_rD]
-                                z = cutlass.Int32(x0) & (u_l >> 31)
-                                gDz = cute.make_tensor(gD.iterator + z, gD.layout)
-                            for sub in cutlass.range_constexpr(lo_s, hi_s):
-                                if cutlass.const_expr(self.hinted_loads):
-                                    self._load_addend_hint(thr_copy_r2s, cC_t, gDz, extent_nm,
-                                                           epi_order.get_hier_coord(sub),
-                                                           rAddIn[sub % depth])
-                                else:
-                                    self._load_addend(thr_copy_r2s, cC_t, gDz, extent_nm,
-                                                      epi_order.get_hier_coord(sub),
-                                                      rAddIn[sub % depth])
+                for k_tile in range(k_tile_cnt):
+                    ab_pipeline.consumer_wait(read_state)
+                    if cutlass.const_expr(dbg):
+                        if tl_on & (k_tile == 0):
+                            tl[tl_slot + 1] = cutlass.Int32(cute.arch.clock64() - t_base)
+                    for kb in cutlass.range_constexpr(num_k_blocks):
+                        kc = (None, None, kb, read_state.index)
+                        cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
+                    if k_tile > 0:
+                        ab_pipeline.consumer_release(release_state)
+                        release_state.advance()
+                    read_state.advance()
                 if cutlass.const_expr(use_ldg_addend):
                     # first addend subtile loads overlap the last WGMMA
                     self._load_addend(thr_copy_r2s, cC_t, gD, extent_nm,
