@@ -115,6 +115,9 @@ def attn_res_abi(dtype: str) -> tuple:
       out      (M, H)      dtype
       num_blocks K (0..NB), write_idx (-1 or 0..NB-1), has_delta, has_out_norm: int32
       eps, out_eps: float32
+      work     (2,)        int32   row-scheduler counters: zero before the first launch; the
+                                   kernels that use them (sm90, one CTA per row) leave them
+                                   zero, so a runner keeps one for all its launches
     """
     return (
         TensorArg("prefix", dtype, 2, align=8),
@@ -130,6 +133,7 @@ def attn_res_abi(dtype: str) -> tuple:
         ScalarArg("has_out_norm", "int32"),
         ScalarArg("eps", "float32"),
         ScalarArg("out_eps", "float32"),
+        TensorArg("work", "int32", 1, align=1),
         StreamArg(),
     )
 

@@ -99,8 +99,9 @@ class AttnResRunner:
     """A prepared AttnRes call: ``launch()`` re-runs it on the current stream with whatever
     the tensors hold then (same addresses). Allocates nothing, never syncs the host."""
 
-    def __init__(self, call, m, h, num_blocks):
+    def __init__(self, call, m, h, num_blocks, work=None):
         self._call = call
+        self._work = work  # the row-scheduler counters the bound call uses (kept alive)
         self.m, self.hidden, self.num_blocks = m, h, num_blocks
 
     def launch(self):
@@ -151,8 +152,25 @@ def _function(m, h, device):
     return get_function("attn_res", {"dtype": "bfloat16"}, flags, device, design=design)
 
 
+_ONESHOT_WORK: dict = {}
+
+
+def _oneshot_work(device):
+    """The row-scheduler counters for one-shot calls: one buffer per (device, stream), since
+    launches on one stream never overlap and the kernel leaves the counters zero; a fresh
+    one while a CUDA graph is being captured (the capture then owns it)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    w = _ONESHOT_WORK.get(key)
+    if w is None:
+        w = _ONESHOT_WORK[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return w
+
+
 def prepare_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, out, *,
-                     num_blocks, block_write_idx=-1, eps=1e-5, output_norm_eps=1e-5) -> AttnResRunner:
+                     num_blocks, block_write_idx=-1, eps=1e-5, output_norm_eps=1e-5,
+                     _work=None) -> AttnResRunner:
     """Validate once and bind the kernel (see the module docstring for the math).
 
     prefix [M, H] (updated in place when ``delta`` is given), delta [M, H] or None,
@@ -166,11 +184,14 @@ def prepare_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_
     if m == 0:
         return AttnResRunner(None, m, h, num_blocks)
     fn = _function(m, h, prefix.device)
+    # the runner owns its scheduler counters (zero; every launch leaves them zero)
+    work = _work if _work is not None else torch.zeros(2, dtype=torch.int32, device=prefix.device)
     call = fn.bind(prefix, prefix if delta is None else delta, blocks, norm_weight, qk_weight,
                    norm_weight if output_norm_weight is None else output_norm_weight, out,
                    int(num_blocks), int(block_write_idx), int(delta is not None),
-                   int(output_norm_weight is not None), float(eps), float(output_norm_eps))
-    return AttnResRunner(call, m, h, num_blocks)
+                   int(output_norm_weight is not None), float(eps), float(output_norm_eps),
+                   work)
+    return AttnResRunner(call, m, h, num_blocks, work)
 
 
 def attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight=None, out=None, *,
@@ -186,7 +207,9 @@ def attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight=N
     else:
         prepare_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, out,
                          num_blocks=num_blocks, block_write_idx=block_write_idx, eps=eps,
-                         output_norm_eps=output_norm_eps).launch()
+                         output_norm_eps=output_norm_eps,
+                         _work=_oneshot_work(prefix.device)
+                         if isinstance(prefix, torch.Tensor) and prefix.is_cuda else None).launch()
     return out
 
 
@@ -197,7 +220,8 @@ def _attn_res_op(prefix: torch.Tensor, delta: torch.Tensor | None, blocks: torch
                  block_write_idx: int, eps: float, output_norm_eps: float) -> None:
     prepare_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, out,
                      num_blocks=num_blocks, block_write_idx=block_write_idx, eps=eps,
-                     output_norm_eps=output_norm_eps).launch()
+                     output_norm_eps=output_norm_eps,
+                     _work=_oneshot_work(prefix.device)).launch()
 
 
 @_attn_res_op.register_fake

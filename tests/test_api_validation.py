@@ -145,17 +145,20 @@ def test_runtime_validates_scalar_arguments():
     bf = torch.bfloat16
     t2, t3, t1 = torch.randn(4, 64).to(bf), torch.randn(4, 2, 64).to(bf), torch.randn(64).to(bf)
     tensors = [t2, t2, t3, t1, t1, t1, t2]
-    good = tensors + [2, -1, 1, 1, 1e-5, 1e-5]
+    w = [torch.zeros(2, dtype=torch.int32)]  # the row-scheduler counters (last tensor)
+    good = tensors + [2, -1, 1, 1, 1e-5, 1e-5] + w
     dims, _ = validate_args(meta, good, require_cuda=False)
-    assert dims[7:] == [None] * 6
+    assert dims[7:13] == [None] * 6
     with pytest.raises(TypeError, match="argument 'num_blocks' must be a Python int"):
-        validate_args(meta, tensors + [2.0, -1, 1, 1, 1e-5, 1e-5], require_cuda=False)
+        validate_args(meta, tensors + [2.0, -1, 1, 1, 1e-5, 1e-5] + w, require_cuda=False)
     with pytest.raises(TypeError, match="argument 'has_delta' must be a Python int"):
-        validate_args(meta, tensors + [2, -1, True, 1, 1e-5, 1e-5], require_cuda=False)
+        validate_args(meta, tensors + [2, -1, True, 1, 1e-5, 1e-5] + w, require_cuda=False)
     with pytest.raises(ValueError, match="argument 'write_idx' = 4294967296 does not fit in int32"):
-        validate_args(meta, tensors + [2, 2**32, 1, 1, 1e-5, 1e-5], require_cuda=False)
+        validate_args(meta, tensors + [2, 2**32, 1, 1, 1e-5, 1e-5] + w, require_cuda=False)
     with pytest.raises(TypeError, match="argument 'eps' must be a Python float"):
-        validate_args(meta, tensors + [2, -1, 1, 1, "1e-5", 1e-5], require_cuda=False)
+        validate_args(meta, tensors + [2, -1, 1, 1, "1e-5", 1e-5] + w, require_cuda=False)
+    with pytest.raises(TypeError, match="argument 'work'"):
+        validate_args(meta, tensors + [2, -1, 1, 1, 1e-5, 1e-5, torch.zeros(2)], require_cuda=False)
 
 
 def test_custom_ops_have_fake_implementations():

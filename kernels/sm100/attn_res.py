@@ -140,7 +140,9 @@ class AttnResSm100:
                  norm_w: cute.Tensor, qk_w: cute.Tensor, out_norm_w: cute.Tensor,
                  out: cute.Tensor, num_blocks: cutlass.Int32, write_idx: cutlass.Int32,
                  has_delta: cutlass.Int32, has_out_norm: cutlass.Int32,
-                 eps: cutlass.Float32, out_eps: cutlass.Float32, stream: cuda.CUstream):
+                 eps: cutlass.Float32, out_eps: cutlass.Float32, work: cute.Tensor,
+                 stream: cuda.CUstream):
+        # work: the sm90 kernel's row-scheduler counters (shared ABI); unused here
         if cutlass.const_expr(prefix.element_type != self.dtype):
             raise TypeError("AttnResSm100: dtype mismatch")
         maxh = self.max_hidden

@@ -8,7 +8,8 @@ Per row m (rows are independent):
 
 Design (memory bound; every source row crosses HBM once):
   - persistent grid; CTA (row_split = 1) or cluster of row_split CTAs (row_split > 1) b
-    handles rows b, b + grid, ...
+    handles rows b, b + grid, ... (row_split = 1 with the batched schedule: row b, then rows
+    claimed from a global counter; config.dynamic_rows)
   - warp NW (the last one): producer. One lane issues one cp.async.bulk (UBLKCP) per source
     row segment (no tensor map: any dynamic stride works) into a ring of slots in shared
     memory, guarded by full/empty mbarriers. The slot size is the runtime segment size
@@ -115,10 +116,21 @@ class AttnResSm90Config:
         (16-byte loads, all in flight at once) and mixes from there. Saves the ring's
         mbarrier inits, the producer's one-by-one bulk copies and the shared-memory round
         trips on a latency-bound path; same arithmetic, same bits.
+    dynamic_rows: row_split = 1, batched schedule: after its first row (row = CTA index) a
+        CTA takes the next unclaimed row from a global counter (the `work` argument; the
+        last CTA to finish resets it), instead of every grid-stride row. Per-CTA traces on
+        the H200 (perf/trace_attn_res.py) showed some SMs streaming rows ~15-20% slower than
+        others for the whole launch, and M / 132 rarely whole: with static rows the slowest
+        CTA with the most rows set the end (M=4096: last CTA 190 us, median 168). Same bits
+        (a row's arithmetic does not depend on which CTA runs it).
     debug_timeline: diagnostics only, never exported by default: consumer thread 0 of the
         CTA(s) of row 0 records clock64 at the phases of the batched and direct schedules
         and writes the cycle counts over the first 64 bytes of its segment of out[0]
-        (perf/timeline_attn_res.py reads them)."""
+        (perf/timeline_attn_res.py reads them).
+    debug_trace: diagnostics only (row_split = 1, batched schedule): consumer thread 0 of
+        every CTA writes %globaltimer_lo (ns) at kernel entry, when its first row's first slot
+        is full, after each of its first 12 rows' stores, at exit, and its row count, as int32
+        into its own 16-byte chunks of its first row of out (perf/trace_attn_res.py reads them)."""
 
     consumer_warps: int = 8
     split_consumer_warps: int = 8
@@ -131,7 +143,9 @@ class AttnResSm90Config:
     ctas_per_sm: int = 1
     batched: bool = True
     batched_min_free: int = 2
+    dynamic_rows: bool = True
     debug_timeline: bool = False
+    debug_trace: bool = False
 
 
 def _layout_numbers(max_hidden: int, cfg: AttnResSm90Config, row_split: int):
@@ -235,7 +249,8 @@ class AttnResSm90:
     def __call__(self, prefix: cute.Tensor, delta: cute.Tensor, blocks: cute.Tensor,
                  norm_w: cute.Tensor, qk_w: cute.Tensor, out_norm_w: cute.Tensor,
                  out: cute.Tensor, num_blocks: Int32, write_idx: Int32, has_delta: Int32,
-                 has_out_norm: Int32, eps: Float32, out_eps: Float32, stream: cuda.CUstream):
+                 has_out_norm: Int32, eps: Float32, out_eps: Float32, work: cute.Tensor,
+                 stream: cuda.CUstream):
         M = prefix.shape[0]
         C = self.row_split
         NW = self.num_warps_c
@@ -251,6 +266,7 @@ class AttnResSm90:
             xbuf_s: cute.struct.Align[cute.struct.MemRange[Float32, 2 * _NV * C], 16]
             xbuf_n: cute.struct.Align[cute.struct.MemRange[Float32, 2 * C], 16]
             wq: cute.struct.Align[cute.struct.MemRange[Float32, self.wq_elems], 16]
+            rowid: cute.struct.MemRange[Int32, self.max_stages]  # dynamic_rows: row of a slot
             ring: cute.struct.Align[cute.struct.MemRange[self.dtype, self.ring_elems], 128]
 
         self.shared_storage = SharedStorage
@@ -258,7 +274,7 @@ class AttnResSm90:
         if cutlass.const_expr(C == 1):
             grid = cutlass.min(M, self.cfg.num_sms * self.cfg.ctas_per_sm)
             self.kernel(prefix, delta, blocks, norm_w, qk_w, out_norm_w, out, num_blocks,
-                        write_idx, has_delta, has_out_norm, eps, out_eps).launch(
+                        write_idx, has_delta, has_out_norm, eps, out_eps, work).launch(
                 grid=[grid, 1, 1],
                 block=[self.threads_per_cta, 1, 1],
                 stream=stream,
@@ -267,7 +283,7 @@ class AttnResSm90:
         else:
             nclu = cutlass.min(M, max(1, self.cfg.num_sms * self.cfg.ctas_per_sm // C))
             self.kernel(prefix, delta, blocks, norm_w, qk_w, out_norm_w, out, num_blocks,
-                        write_idx, has_delta, has_out_norm, eps, out_eps).launch(
+                        write_idx, has_delta, has_out_norm, eps, out_eps, work).launch(
                 grid=[nclu * C, 1, 1],
                 block=[self.threads_per_cta, 1, 1],
                 cluster=[C, 1, 1],
@@ -600,10 +616,11 @@ class AttnResSm90:
                       nchunk: Int32, n_st: Int32, w_idx: Int32, nsrc_b: Int32,
                       lg_mult: Float32, has_delta: Int32, has_out_norm: Int32,
                       eps: Float32, out_eps: Float32, tidx: Int32, warp: Int32, lane: Int32,
-                      tl: cute.Tensor):
+                      tl: cute.Tensor, rowid: cute.Tensor, dyn: Int32):
         """Batched schedule: per row, every load of the row is resident in the ring (the
         caller guarantees 1 + has_delta + nsrc_b <= n_st); one reduction (and, row_split > 1,
-        one DSMEM exchange) for all scores, one for the output norm."""
+        one DSMEM exchange) for all scores, one for the output norm. dyn != 0: the rows are
+        the producer's (rowid of each row's prefix slot; -1 ends), else cid, cid + ncl, ..."""
         CPT = self.cpt
         C = self.row_split
         M = prefix.shape[0]
@@ -639,7 +656,11 @@ class AttnResSm90:
         slot = Int32(0)
         phase = Int32(0)
         it = Int32(0)
-        for row in range(cid, M, ncl):
+        row = cid
+        if dyn != 0:
+            cute.arch.mbarrier_wait(full + slot, phase)
+            row = rowid[slot]
+        while (row >= 0) & (row < M):
             r64 = Int64(row)
             par = it & 1
             xph = (it >> 1) & 1
@@ -648,6 +669,9 @@ class AttnResSm90:
             cute.arch.mbarrier_wait(full + slot, phase)
             if cutlass.const_expr(self.cfg.debug_timeline):
                 tl[2] = cute.arch.clock64()
+            if cutlass.const_expr(self.cfg.debug_trace):
+                if it == 0:
+                    tl[13] = cute.arch.globaltimer()
             self._load_slot(ring, slot, seg, tidx, nchunk, cp)
             slot, phase = self._advance(slot, phase, n_st)
             slot_d = slot
@@ -740,7 +764,29 @@ class AttnResSm90:
                 tidx, nchunk, cp)
             if cutlass.const_expr(self.cfg.debug_timeline):
                 tl[8] = cute.arch.clock64()
+            if cutlass.const_expr(self.cfg.debug_trace and C == 1):
+                if (tidx == 0) & (it < 12):
+                    if it == 0:
+                        self._trace_put(out, cid, Int32(0), tl[12])
+                        self._trace_put(out, cid, Int32(1), tl[13])
+                    self._trace_put(out, cid, 3 + it, cute.arch.globaltimer())
             it = it + 1
+            if dyn != 0:
+                cute.arch.mbarrier_wait(full + slot, phase)
+                row = rowid[slot]
+            else:
+                row = row + ncl
+        if cutlass.const_expr(self.cfg.debug_trace and C == 1):
+            if (tidx == 0) & (it > 0):
+                self._trace_put(out, cid, Int32(2), cute.arch.globaltimer())
+                self._trace_put(out, cid, Int32(15), Int64(it))
+
+    @cute.jit
+    def _trace_put(self, out: cute.Tensor, row: Int32, i: Int32, val: Int64):
+        """debug_trace: int32 mark i (< 16) into thread 0's chunk i // 4 of out[row]."""
+        base = cute.recast_ptr(out.iterator + Int64(row) * Int64(out.stride[0]), dtype=Int32)
+        t = cute.make_tensor(base, cute.make_layout(16 * self.num_threads_c))
+        t[(i // 4) * 4 * self.num_threads_c + i % 4] = Int32(val & Int64(0xFFFFFFFF))
 
     @cute.jit
     def _load_row(self, gbase: cute.Pointer, tidx: Int32, nchunk: Int32, dst: cute.Tensor):
@@ -897,12 +943,14 @@ class AttnResSm90:
     def kernel(self, prefix: cute.Tensor, delta: cute.Tensor, blocks: cute.Tensor,
                norm_w: cute.Tensor, qk_w: cute.Tensor, out_norm_w: cute.Tensor,
                out: cute.Tensor, num_blocks: Int32, write_idx: Int32, has_delta: Int32,
-               has_out_norm: Int32, eps: Float32, out_eps: Float32):
+               has_out_norm: Int32, eps: Float32, out_eps: Float32, work: cute.Tensor):
         NW = self.num_warps_c
         NT = self.num_threads_c
         CPT = self.cpt
         C = self.row_split
         tl = cute.make_rmem_tensor((16,), Int64)  # debug_timeline: clock64 marks
+        if cutlass.const_expr(self.cfg.debug_trace):
+            tl[12] = cute.arch.globaltimer()
         if cutlass.const_expr(self.cfg.debug_timeline):
             tl.fill(0)
             tl[0] = cute.arch.clock64()
@@ -955,8 +1003,13 @@ class AttnResSm90:
             if nloads + self.cfg.batched_min_free <= n_st:
                 use_batched = Int32(1)
 
+        dyn = Int32(0)
+        if cutlass.const_expr(C == 1 and self.cfg.dynamic_rows):
+            dyn = use_batched
+
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        rowid = storage.rowid.get_tensor(cute.make_layout(self.max_stages))
         full = storage.full.data_ptr()
         empty = storage.empty.data_ptr()
         xbar = storage.xbar.data_ptr()
@@ -1012,8 +1065,14 @@ class AttnResSm90:
             if lane == 0:
                 slot = Int32(0)
                 phase = Int32(0)
-                for row in range(cid, M, ncl):
+                row = cid
+                while row < M:
                     r64 = Int64(row)
+                    if dyn != 0:
+                        # the consumers read the row of a prefix slot once it is full (the
+                        # full barrier's arrive below releases this store)
+                        cute.arch.mbarrier_wait(empty + slot, phase ^ 1)
+                        rowid[slot] = row
                     slot, phase = self._produce(
                         full, empty, ring, slot, phase, n_st,
                         prefix.iterator + cute.assume(r64 * Int64(s_pre) + cb64, divby=_CHUNK),
@@ -1030,6 +1089,22 @@ class AttnResSm90:
                             slot, phase = self._produce(
                                 full, empty, ring, slot, phase, n_st,
                                 blocks.iterator + cute.assume(off, divby=_CHUNK), seg, nbytes)
+                    if dyn != 0:
+                        row = ncl + cute.arch.atomic_add(work.iterator, Int32(1))
+                    else:
+                        row = row + ncl
+                if dyn != 0:
+                    # no more rows: a slot whose row is -1 ends the consumers' loop
+                    cute.arch.mbarrier_wait(empty + slot, phase ^ 1)
+                    rowid[slot] = Int32(-1)
+                    cute.arch.mbarrier_arrive(full + slot)
+                    # the last CTA past its last claim zeroes the counters for the next
+                    # launch (every CTA's claims precede its increment of work[1])
+                    fin = cute.arch.atomic_add(work.iterator + 1, Int32(1), sem="acq_rel",
+                                               scope="gpu")
+                    if fin == ncl - 1:
+                        work[0] = Int32(0)
+                        work[1] = Int32(0)
             if cutlass.const_expr(C > 1):
                 cute.arch.cluster_wait()
 
@@ -1096,13 +1171,13 @@ class AttnResSm90:
                                    wq, cp, cs, acc, prefix, delta, blocks, out_norm_w, out,
                                    cid, ncl, rank, seg, cbase, nchunk, n_st, w_idx, nsrc_b,
                                    lg_mult, has_delta, has_out_norm, eps, out_eps,
-                                   tidx, warp, lane, tl)
+                                   tidx, warp, lane, tl, rowid, Int32(0))
             elif use_batched != 0:
                 self._rows_batched(ring, full, empty, xbar, red_s, red_n, xbuf_s, xbuf_n,
                                    wq, cp, cs, acc, prefix, delta, blocks, out_norm_w, out,
                                    cid, ncl, rank, seg, cbase, nchunk, n_st, w_idx, nsrc_b,
                                    lg_mult, has_delta, has_out_norm, eps, out_eps,
-                                   tidx, warp, lane, tl)
+                                   tidx, warp, lane, tl, rowid, dyn)
             else:
                 self._rows_online(ring, full, empty, red, wq, cp, cs, acc, prefix, blocks,
                                   out_norm_w, out, K, w_idx, lg_mult, has_delta,

@@ -126,8 +126,9 @@ def test_fuzz(design, m, nb, h8, data, delta, onorm, seed):
     run_case(m, nb, 8 * h8, k, w, seed, delta=delta, onorm=onorm, row_pad=pad)
 
 
-def test_graph_capture_and_replay_with_new_contents(design, warm_graph_pool):
-    m, nb, h, k, w = 96, 8, 7168, 7, 7
+@pytest.mark.parametrize("m", [96, 300])  # sm90: the cluster-split kernel / dynamic rows
+def test_graph_capture_and_replay_with_new_contents(design, warm_graph_pool, m):
+    nb, h, k, w = 8, 7168, 7, 7
     prefix, d, blocks, nw, qw, onw = make(m, nb, h, 1)
     out = torch.full((m, h), float("nan"), dtype=BF16, device="cuda")
     runner = prepare_attn_res(prefix, d, blocks, nw, qw, onw, out, num_blocks=k, block_write_idx=w)
@@ -147,6 +148,27 @@ def test_graph_capture_and_replay_with_new_contents(design, warm_graph_pool):
         g.replay()
         torch.cuda.synchronize()
         check(prefix, d, blocks, nw, qw, onw, k, w, out, ref_in)
+    # the row-scheduler counters are back to zero after every launch
+    assert runner._work.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("m", [133, 1000])
+def test_repeated_launches_reset_the_row_counters(design, m):
+    """One runner, several launches with new contents: every row is computed each time (a
+    counter left non-zero would skip rows, which the NaN-poisoned out would show)."""
+    nb, h, k, w = 8, 1032, 8, -1
+    prefix, d, blocks, nw, qw, onw = make(m, nb, h, 11)
+    out = torch.empty((m, h), dtype=BF16, device="cuda")
+    runner = prepare_attn_res(prefix, d, blocks, nw, qw, onw, out, num_blocks=k, block_write_idx=w)
+    for seed in (12, 13, 14):
+        for dst, s in zip((prefix, d, blocks), make(m, nb, h, seed)[:3]):
+            dst.copy_(s)
+        out.fill_(float("nan"))
+        ref_in = (prefix.clone(), d.clone(), blocks.clone(), nw, qw, onw)
+        runner.launch()
+        torch.cuda.synchronize()
+        check(prefix, d, blocks, nw, qw, onw, k, w, out, ref_in)
+        assert runner._work.tolist() == [0, 0]
 
 
 def test_torch_compile(design):
