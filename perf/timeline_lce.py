@@ -66,10 +66,17 @@ def main():
         med = {k: statistics.median(v) if v else None for k, v in per.items()}
         tile = statistics.median([int(marks[c, 29, 0] - marks[c, 2, 0]) / 27 for c in range(132)
                                   if marks[c, 29, 0] > 0])
-        row = {"config": d.name, "median_cycles": med, "cycles_per_tile": tile}
+        # per-CTA pace: a CTA that is slower on every tile sets the end of a static schedule
+        pace = sorted(int(marks[c, 29, 0] - marks[c, 2, 0]) / 27 for c in range(132)
+                      if marks[c, 29, 0] > 0)
+        q = lambda v, f: v[min(len(v) - 1, int(f * (len(v) - 1) + 0.5))]  # noqa: E731
+        row = {"config": d.name, "median_cycles": med, "cycles_per_tile": tile,
+               "cta_cycles_per_tile_pcts": [q(pace, f) for f in (0, .1, .5, .9, 1)]}
         rows.append(row)
         print(f"{d.name:24s} per tile {tile:8.0f} cyc | " +
-              " ".join(f"{k} {v:.0f}" for k, v in med.items() if v is not None), flush=True)
+              " ".join(f"{k} {v:.0f}" for k, v in med.items() if v is not None) +
+              " | per-CTA cycles/tile min/p10/p50/p90/max " +
+              " ".join(f"{x:.0f}" for x in row["cta_cycles_per_tile_pcts"]), flush=True)
     if a.out:
         (a.out / "timeline_lce.json").write_text(json.dumps(rows, indent=1))
 
