@@ -123,6 +123,10 @@ class AttnResSm90Config:
         others for the whole launch, and M / 132 rarely whole: with static rows the slowest
         CTA with the most rows set the end (M=4096: last CTA 190 us, median 168). Same bits
         (a row's arithmetic does not depend on which CTA runs it).
+    dynamic_min_loads, dynamic_min_rows: dynamic rows only for rows of at least this many
+        loads (K=8 with delta: 10) or launches of at least this many rows. The claim's round
+        trip costs ~1 us per launch on short rows at mid M (K=1 M=512-1024: 18.9 -> 19.7 us,
+        30.5 -> 31.4 in an A/B), where the imbalance it removes is smaller.
     debug_timeline: diagnostics only, never exported by default: consumer thread 0 of the
         CTA(s) of row 0 records clock64 at the phases of the batched and direct schedules
         and writes the cycle counts over the first 64 bytes of its segment of out[0]
@@ -144,6 +148,8 @@ class AttnResSm90Config:
     batched: bool = True
     batched_min_free: int = 2
     dynamic_rows: bool = True
+    dynamic_min_loads: int = 8
+    dynamic_min_rows: int = 2048
     debug_timeline: bool = False
     debug_trace: bool = False
 
@@ -1005,7 +1011,8 @@ class AttnResSm90:
 
         dyn = Int32(0)
         if cutlass.const_expr(C == 1 and self.cfg.dynamic_rows):
-            dyn = use_batched
+            if (nloads >= self.cfg.dynamic_min_loads) | (M >= self.cfg.dynamic_min_rows):
+                dyn = use_batched
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
