@@ -100,6 +100,12 @@ def test_forced_row_split(design, monkeypatch, split, m, h, k, w):
     run_case(m, 8, h, k, w, seed=split * 1000 + m)
 
 
+@pytest.mark.parametrize("h", [1032, 8200])
+def test_many_short_rows(design, h):
+    """sm90: K=1 rows (3 loads) take the dynamic-row path only from M >= 2048; both tiers."""
+    run_case(2100, 2, h, 1, -1, seed=h + 1)
+
+
 def test_large_m(design):
     run_case(16384, 8, 7168, 8, -1, seed=5)
 
