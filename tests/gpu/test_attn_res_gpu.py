@@ -177,6 +177,31 @@ def test_repeated_launches_reset_the_row_counters(design, m):
         assert runner._work.tolist() == [0, 0]
 
 
+def test_one_shot_calls_on_two_streams(design):
+    """One-shot calls keep one row-counter buffer per stream: two calls running at once on
+    two streams (dynamic rows: M >= 2048) must not share it."""
+    nb, h, k = 2, 1032, 1
+    cases = []
+    for seed in (31, 32):
+        prefix, d, blocks, nw, qw, onw = make(2300, nb, h, seed)
+        ref_in = (prefix.clone(), d.clone(), blocks.clone(), nw, qw, onw)
+        out = torch.full((2300, h), float("nan"), dtype=BF16, device="cuda")
+        cases.append(((prefix, d, blocks, nw, qw, onw), ref_in, out))
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    for _ in range(3):  # several rounds: a shared counter would skip or repeat rows
+        for (args, _, out), st in zip(cases, streams):
+            with torch.cuda.stream(st):
+                attn_res(*args, out=out, num_blocks=k)
+    torch.cuda.synchronize()
+    # three in-place prefix updates (prefix += delta each round): rebuild the reference
+    for (args, ref_in, out) in cases:
+        p, dd, b, nw, qw, onw = ref_in
+        for _ in range(2):
+            p, b, _o = attn_res_reference(p, dd, b, nw, qw, onw, k, -1, 1e-5, 1e-5)
+        check(*args, k, -1, out, (p, dd, b, nw, qw, onw))
+
+
 def test_torch_compile(design):
     prefix, d, blocks, nw, qw, onw = make(8, 4, 2048, 9)
     ref_in = (prefix.clone(), d.clone(), blocks.clone(), nw, qw, onw)
