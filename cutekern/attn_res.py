@@ -130,25 +130,38 @@ def _row_split(m, design):
     return 1
 
 
-def choose_kernel(m, h, arch, design):
-    """(design, flags) of the kernel that serves M rows of hidden size H.
+# On sm_90a the Ada-design kernel (also built for sm_90a) serves launches of at most one
+# block source (rows of 2-3 loads) from this many rows, hidden tier 8192 (where it was
+# measured): perf/results/attn_res.json at cdc0b8a / 007e1b1, K=1, H=7168: M=512 17.9 vs
+# 19.0-19.6 us, M=1024 28.3 vs 30.7-31.3, M=8192 158 vs 163-167; M=256 a tie (12.6-12.7 vs
+# 12.4-13.1). With so few sources per row the sm90 kernel's per-row costs dominate.
+_ADA_SHORT_ROWS = 512
+
+
+def choose_kernel(m, h, arch, design, num_blocks=None):
+    """(design, flags) of the kernel that serves M rows of hidden size H (num_blocks K).
 
     Each arch runs its own design (on sm_90a: the cluster-split sm90 kernel for small M, the
-    sm90 kernel from M = 128). The Ada-design kernel, also built for sm_90a, served
-    128 < M < 2048 there until the sm90 kernel overtook it (perf/results/attn_res.json at
-    fc0b48b: M=256 21.5 vs 22.3 us, M=512 34.1 vs 35.6, M=1024 57.2 vs 60.2);
-    $CUTEKERN_DESIGN still forces a design."""
+    sm90 kernel from M = 128; the Ada-design kernel for K <= 1 from M = 512, see
+    _ADA_SHORT_ROWS). The sm90 kernel beats the Ada-design kernel at K = 8 at every M
+    (perf/results/attn_res.json at fc0b48b: M=256 21.5 vs 22.3 us, M=512 34.1 vs 35.6,
+    M=1024 57.2 vs 60.2). $CUTEKERN_DESIGN forces a design (then no per-shape switch)."""
+    from .arch import DESIGNS_FOR_ARCH, ENV_DESIGN
     tier = next(t for t in HIDDEN_TIERS if h <= t)
+    if (not os.environ.get(ENV_DESIGN) and design == "sm90" and "ada" in DESIGNS_FOR_ARCH[arch]
+            and num_blocks is not None and num_blocks <= 1 and m >= _ADA_SHORT_ROWS
+            and tier == HIDDEN_TIERS[0]):
+        design = "ada"
     # $CUTEKERN_ATTN_RES_SPLIT forces a split (tuning sweeps, perf/tune_memops.py)
     split = int(os.environ.get("CUTEKERN_ATTN_RES_SPLIT", 0)) or _row_split(m, design)
     return design, {"max_hidden": tier, "row_split": split}
 
 
-def _function(m, h, device):
+def _function(m, h, num_blocks, device):
     from .arch import target_arch, target_design
     from .dispatch import get_function
     arch = target_arch(device)
-    design, flags = choose_kernel(m, h, arch, target_design(arch))
+    design, flags = choose_kernel(m, h, arch, target_design(arch), num_blocks)
     return get_function("attn_res", {"dtype": "bfloat16"}, flags, device, design=design)
 
 
@@ -183,7 +196,7 @@ def prepare_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_
     m, h = prefix.shape
     if m == 0:
         return AttnResRunner(None, m, h, num_blocks)
-    fn = _function(m, h, prefix.device)
+    fn = _function(m, h, num_blocks, prefix.device)
     # the runner owns its scheduler counters (zero; every launch leaves them zero)
     work = _work if _work is not None else torch.zeros(2, dtype=torch.int32, device=prefix.device)
     call = fn.bind(prefix, prefix if delta is None else delta, blocks, norm_weight, qk_weight,

@@ -171,8 +171,9 @@ def test_bgmv_validation_names_the_argument():
 
 def test_attn_res_kernel_choice(monkeypatch):
     """sm_90a: the cluster-split sm90 kernel for small M (split 8 up to 16 rows, 2 up to 64),
-    the sm90 kernel from M = 128; a design passed in (what $CUTEKERN_DESIGN selects) is kept,
-    and designs without splits never get one; other arches keep their design."""
+    the sm90 kernel from M = 128, the Ada-design kernel for K <= 1 from M = 512; a design
+    forced by $CUTEKERN_DESIGN is kept, designs without splits never get one; other arches
+    keep their design."""
     from cutekern.attn_res import choose_kernel
     monkeypatch.delenv("CUTEKERN_DESIGN", raising=False)
     monkeypatch.delenv("CUTEKERN_ATTN_RES_SPLIT", raising=False)
@@ -188,6 +189,15 @@ def test_attn_res_kernel_choice(monkeypatch):
     assert choose_kernel(1, 7168, "sm_100a", "sm100")[0] == "sm100"
     assert choose_kernel(300, 7168, "sm_90a", "ada") == ("ada", {"max_hidden": 8192, "row_split": 1})
     assert choose_kernel(1, 7168, "sm_90a", "ada") == ("ada", {"max_hidden": 8192, "row_split": 1})
+    # K <= 1 (rows of 2-3 loads) from M = 512, hidden tier 8192: the Ada-design kernel
+    assert choose_kernel(512, 7168, "sm_90a", "sm90", 1) == ("ada", {"max_hidden": 8192, "row_split": 1})
+    assert choose_kernel(4096, 7168, "sm_90a", "sm90", 0)[0] == "ada"
+    assert choose_kernel(511, 7168, "sm_90a", "sm90", 1)[0] == "sm90"
+    assert choose_kernel(4096, 7168, "sm_90a", "sm90", 2)[0] == "sm90"
+    assert choose_kernel(4096, 12344, "sm_90a", "sm90", 1)[0] == "sm90"
+    assert choose_kernel(4096, 7168, "sm_100a", "sm100", 1)[0] == "sm100"
+    monkeypatch.setenv("CUTEKERN_DESIGN", "sm90")  # a forced design is kept
+    assert choose_kernel(4096, 7168, "sm_90a", "sm90", 1)[0] == "sm90"
 
 
 def test_bgmv_sm90_pair_kernel_shape_set():
