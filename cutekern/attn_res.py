@@ -115,10 +115,12 @@ class AttnResRunner:
 
 # rows per launch up to which a row is split over the CTAs of a cluster (sm90 design):
 # with far fewer rows than SMs, one CTA per row leaves most of the GPU idle and each row's
-# sources stream through one SM. Picked from H200 sweeps (H=7168, K=8): split 8 up to M=16
-# (since the cheaper score reduction, perf/results/tune_memops_h200_attn_res_small.json: M=16
-# 7.4-7.6 us vs 7.6-7.8 with split 4), 2 at M=32..64, 1 from M=128.
-_SPLIT_FOR_ROWS = ((16, 8), (64, 2))
+# sources stream through one SM. Picked from H200 sweeps (H=7168, K=8): split 8 up to M=12,
+# 4 at M=13..16, 2 at M=17..64, 1 from M=128. With the benchmark's timing (graph replay after
+# the zeroing L2 flush, 5 interleaved rounds, perf/results/ab_attn_res_split_h200.json): M=8
+# 7.04 (split 8) vs 7.26 us (split 4), M=12 7.14 vs 7.33, M=16 7.78 vs 7.49. (An earlier A/B
+# in the tune harness, with a gentler flush, had split 8 ahead at M=16: 7.4-7.6 vs 7.6-7.8.)
+_SPLIT_FOR_ROWS = ((12, 8), (16, 4), (64, 2))
 
 
 def _row_split(m, design):

@@ -170,15 +170,17 @@ def test_bgmv_validation_names_the_argument():
 
 
 def test_attn_res_kernel_choice(monkeypatch):
-    """sm_90a: the cluster-split sm90 kernel for small M (split 8 up to 16 rows, 2 up to 64),
-    the sm90 kernel from M = 128, the Ada-design kernel for K <= 1 from M = 512; a design
-    forced by $CUTEKERN_DESIGN is kept, designs without splits never get one; other arches
-    keep their design."""
+    """sm_90a: the cluster-split sm90 kernel for small M (split 8 up to 12 rows, 4 up to 16,
+    2 up to 64), the sm90 kernel from M = 128, the Ada-design kernel for K <= 1 from M = 512;
+    a design forced by $CUTEKERN_DESIGN is kept, designs without splits never get one; other
+    arches keep their design."""
     from cutekern.attn_res import choose_kernel
     monkeypatch.delenv("CUTEKERN_DESIGN", raising=False)
     monkeypatch.delenv("CUTEKERN_ATTN_RES_SPLIT", raising=False)
     assert choose_kernel(1, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 8})
-    assert choose_kernel(16, 7168, "sm_90a", "sm90")[1]["row_split"] == 8
+    assert choose_kernel(12, 7168, "sm_90a", "sm90")[1]["row_split"] == 8
+    assert choose_kernel(13, 7168, "sm_90a", "sm90")[1]["row_split"] == 4
+    assert choose_kernel(16, 7168, "sm_90a", "sm90")[1]["row_split"] == 4
     assert choose_kernel(17, 7168, "sm_90a", "sm90")[1]["row_split"] == 2
     assert choose_kernel(64, 7168, "sm_90a", "sm90")[1]["row_split"] == 2
     assert choose_kernel(128, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 1})
