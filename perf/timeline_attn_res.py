@@ -26,18 +26,26 @@ NAMES = ["entry", "init", "p_full", "partials", "cta_bar", "xchg", "mix", "onorm
          "wq", "clu_wait", "end"]
 
 
-def main():
+def debug_run(m: int, split: int):
+    """One cold-L2 launch (after two warm-up launches) of the sm90 kernel at row split
+    `split` on random inputs (H=7168, 8 slots, K=8, delta + output norm); returns out, where
+    a debug build leaves its marks."""
     os.environ["CUTEKERN_DESIGN"] = "sm90"
+    os.environ["CUTEKERN_ATTN_RES_SPLIT"] = str(split)
     r = lambda *s: torch.randn(*s, device="cuda").to(torch.bfloat16)  # noqa: E731
+    prefix, delta, blocks, nw, qw, onw = r(m, H), r(m, H), r(m, NB, H), r(H), r(H) * 0.05, r(H)
+    out = torch.empty(m, H, dtype=torch.bfloat16, device="cuda")
+    run = prepare_attn_res(prefix, delta, blocks, nw, qw, onw, out, num_blocks=K).launch
+    for _ in range(3):  # the last run: cold L2, warm code
+        common.flush_l2()
+        run()
+    torch.cuda.synchronize()
+    return out
+
+
+def main():
     for m, split in [(int(a), sp) for a in (sys.argv[1:] or ["1"]) for sp in (8, 4, 2)]:
-        os.environ["CUTEKERN_ATTN_RES_SPLIT"] = str(split)
-        prefix, delta, blocks, nw, qw, onw = r(m, H), r(m, H), r(m, NB, H), r(H), r(H) * 0.05, r(H)
-        out = torch.empty(m, H, dtype=torch.bfloat16, device="cuda")
-        run = prepare_attn_res(prefix, delta, blocks, nw, qw, onw, out, num_blocks=K).launch
-        for _ in range(3):  # the last run: cold L2, warm code
-            common.flush_l2()
-            run()
-        torch.cuda.synchronize()
+        out = debug_run(m, split)
         seg = -(-(H // 8) // split) * 8
         v = out[0].view(torch.int32)
         for rank in range(split):

@@ -19,10 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from cutekern.attn_res import prepare_attn_res  # noqa: E402
+from timeline_attn_res import debug_run  # noqa: E402
 
-H, NB, K, NT = 7168, 8, 8, 256
+NT = 256  # consumer threads of the 8192 tier (thread 0's chunks are NT * 8 elements apart)
 
 
 def pct(v, q):
@@ -31,18 +30,9 @@ def pct(v, q):
 
 
 def main():
-    os.environ["CUTEKERN_DESIGN"] = "sm90"
-    os.environ["CUTEKERN_ATTN_RES_SPLIT"] = "1"
-    r = lambda *s: torch.randn(*s, device="cuda").to(torch.bfloat16)  # noqa: E731
     res = {}
     for m in [int(a) for a in (sys.argv[1:] or ["256", "1024"])]:
-        prefix, delta, blocks, nw, qw, onw = r(m, H), r(m, H), r(m, NB, H), r(H), r(H) * 0.05, r(H)
-        out = torch.empty(m, H, dtype=torch.bfloat16, device="cuda")
-        run = prepare_attn_res(prefix, delta, blocks, nw, qw, onw, out, num_blocks=K).launch
-        for _ in range(3):  # the last run: cold L2, warm code
-            common.flush_l2()
-            run()
-        torch.cuda.synchronize()
+        out = debug_run(m, 1)
         ncta = min(m, 132)
         v = out[:ncta].view(torch.int32).cpu().long()
         idx = [(i // 4) * 4 * NT + i % 4 for i in range(16)]

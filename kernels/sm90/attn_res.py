@@ -388,6 +388,12 @@ class AttnResSm90:
                 acc[None, k].store(acc[None, k].load() + widen(src.load()) * e)
 
     @cute.jit
+    def _normed_out(self, acc: cute.Tensor, r: Float32, g: cute.Tensor, cp: cute.Tensor):
+        """cp <- bf16(acc * r * g): the output RMSNorm's last step (g: out_norm_w chunks)."""
+        for k in cutlass.range_constexpr(self.cpt):
+            cp[None, k].store((acc[None, k].load() * r * widen(g[None, k].load())).to(self.dtype))
+
+    @cute.jit
     def _store_row(self, gbase: cute.Pointer, tidx: Int32, nchunk: Int32, val: cute.Tensor):
         for k in cutlass.range_constexpr(self.cpt):
             j = k * self.num_threads_c + tidx
@@ -606,10 +612,7 @@ class AttnResSm90:
                 cute.arch.mbarrier_wait(xbar + 2 + par, xph)
                 tot_n = self._vsum(xbuf_n[(None, par)])
             rr = cute.math.rsqrt(tot_n * inv_h + out_eps, fastmath=True)
-            for k in cutlass.range_constexpr(CPT):
-                cp[None, k].store(
-                    (acc[None, k].load() * rr * widen(gn[None, k].load()))
-                    .to(self.dtype))
+            self._normed_out(acc, rr, gn, cp)
         else:
             for k in cutlass.range_constexpr(CPT):
                 cp[None, k].store(acc[None, k].load().to(self.dtype))
@@ -1311,10 +1314,7 @@ class AttnResSm90:
                 sq, _z = self._cta_sum2(sq, _z, red, par, warp, lane)
                 par = par ^ 1
                 r = cute.math.rsqrt(sq * inv_h + out_eps, fastmath=True)
-                for k in cutlass.range_constexpr(CPT):
-                    cp[None, k].store(
-                        (acc[None, k].load() * r * widen(cs[None, k].load()))
-                        .to(self.dtype))
+                self._normed_out(acc, r, cs, cp)
             else:
                 for k in cutlass.range_constexpr(CPT):
                     cp[None, k].store(acc[None, k].load().to(self.dtype))
