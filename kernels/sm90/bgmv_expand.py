@@ -1,42 +1,35 @@
-"""sm_90a MoE-LoRA expand (see kernels/CONTRACT_BGMV.md).
+"""sm_90a MoE-LoRA expand (see kernels/CONTRACT_BGMV.md, v3).
 
     d[p, n] = sum_q s[p, q] * b[l, e, n, q]       (p = t * k + j, l = lora[t], e = topk_ids[t, j])
     finalize=True : y[t, n] = sum_{j = 0..k-1, in order, live pairs only} topk_w[t, j] * d[p, n]
     finalize=False: y[p, n] = d[p, n]  (0 for skipped pairs)
 
-Work decomposition (persistent grid, grid-stride loop over work items): a work item is
-(column chunk c of `32 * cols_per_lane` output columns, token t), token fastest, so the
-CTAs running together cover many tokens of one column chunk and the (adapter, expert)
-slices b[l, e, chunk, :] they share are read from DRAM once and then hit L2. The CTA has
-8 warps, one per routed slot j (k <= 8): warp j computes d[t*k+j, n] for the chunk's
-columns (lane owns columns n = chunk0 + 32 * i + lane), every b row and s vector is a
-16-byte global load, all of a pair's loads are issued before its FMAs, and the k pairs of
-a token are in flight at once on k warps (at T = 1 the first wave already holds every
-b load of the whole op).
+Arithmetic (fixed by R only; kernels/_mma.py has the fragment convention): d is one tensor-core
+chain (mma.sync m16n8k16, fp32 accumulation) over the 32-element k blocks of R (one block for
+R <= 32, two up to 64), two steps per block, from 0; vectors past R are zeros. Finalize:
+acc = 0, then acc = acc + w[t, j] * d_j for live j in increasing j. Which tile row a pair
+occupies does not change its bits (mma rows are independent), so both schedules below agree
+bit for bit: deterministic and batch-invariant. No atomics: every y element has one writer.
+
+Pair schedule (P < bin_min_pairs: small T, latency). Work item = (column chunk of 64 output
+columns, token t), token fastest, so the CTAs running together share b slices through L2. The
+CTA has 8 warps, one per routed slot j (k <= 8): warp j loads its pair's b rows for the chunk
+(8 n-tiles, 16-byte LDGs, all in flight), then s, and runs one chain per n-tile with the
+pair's s in every tile row; lane (g, q) keeps n-tile g, i.e. columns 8g + 2q, 8g + 2q + 1.
   finalize=False: warp j writes its y row directly.
   finalize=True : the k partial rows go to shared memory; after a CTA barrier one owner
   thread per column sums them in the fixed order j = 0, 1, ..., k-1 and writes y.
 
-Reduction order (fixed by R only): d = fp32 FMA chain over q = 0, 1, ..., R-1 (one
-thread, no split); finalize acc = 0, then acc = acc + w[t, j] * d_j for live j in
-increasing j. Independent of T, the grid and other tokens: deterministic and
-batch-invariant. No atomics: every y element has exactly one writer.
-
-Known limit: the ABI gives expand no expert-sorted order, so pairs of one bin cannot be
-grouped; every pair re-reads its b slice (from L2 after the first token of the chunk
-wave), i.e. L2->SM traffic is P * N * R * 2 bytes. At large T this, not DRAM, bounds it.
-v2 bin mode (P = T * k >= config.bin_min_pairs and config.bin_mode): bin_kernel's work item is
-one (adapter, expert) bin (grid stride over L * E). The CTA scans the pair table (ballot +
-popc compaction into a shared list in increasing p, no atomics), then per group of up to
-bin_group pairs stages their s rows (cp.async, converted to fp32 once: exact) and streams the
-bin's B slab in chunks of bin_cols columns through a bin_stages-deep 16-byte cp.async ring
-(rows padded to 72 elements: conflict-free). Thread (column c, half h) keeps its b row in
-fp32 registers (half of R_max at a time; for R > 32 a pair's chain is carried across the
-halves through its exact fp32 output element) and computes d = FMA chain over q = 0..R-1,
-the same expression as the pair schedule. finalize=False writes y[p, cols] (a grid-stride
-pass zeroes the rows of dead pairs); finalize=True writes ws[p, cols] and a second launch
-(fin_kernel) computes y[t, n] = (out = out + w[t, j] * ws[t*k+j, n] for live j in order),
-the pair schedule's expression: bit-identical across modes.
+Bin schedule (P >= bin_min_pairs: large T, bandwidth). Work item = one (adapter, expert) bin
+(grid stride over L * E). The CTA scans the pair table (ballot + popc compaction into a shared
+list in increasing p, no atomics); per group of up to 16 * bin_mtiles pairs it loads their s
+rows as mma fragments (registers) and streams the bin's B slab through a bin_stages-deep
+16-byte cp.async ring in chunks of bin_cols columns (rows XOR-swizzled by parity); each warp
+takes n-tiles of the chunk and runs the same chain for every m-tile of pairs, so every b
+element feeds up to 16 pairs per instruction. finalize=False writes y[p, cols] (a
+grid-stride pass zeroes the rows of dead pairs); finalize=True writes ws[p, cols] and a
+second launch (fin_kernel) computes y[t, n] = (out = out + w[t, j] * ws[t*k+j, n] for live j
+in order), the pair schedule's expression: bit-identical across schedules.
 """
 from __future__ import annotations
 
@@ -48,37 +41,34 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from kernels._cvt import widen
+from kernels._mma import all_loaded, is_bf16, mma_block, words, zero_unless
 from kernels.sm90._bin_scan import collect_round, keep_remainder, slab_ptr
 
-SASS_REQUIRED = ("LDG", "STG", "LDGSTS", "LDGDEPBAR", "VOTE")
+SASS_REQUIRED = ("LDG", "STG", "HMMA", "LDGSTS", "LDGDEPBAR", "VOTE")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
 
 _DTYPES = (cutlass.Float16, cutlass.BFloat16)
 _VEC = 8            # elements per 16-byte vector
-_MAX_K = 8          # warps per CTA = routed slots
-_MAX_RV = 8         # R <= 64: at most 8 vectors per b row
+_KB = 32            # elements per k block
+_MAX_K = 8          # warps per pair CTA = routed slots
+_MAX_B = 2          # R <= 64: at most 2 k blocks
 _R_MAX = 64
-_PITCH = _R_MAX + 8  # bin-mode smem b row pitch (144 B: conflict-free per-thread row reads)
+_CN = 64            # pair schedule: output columns per work item (8 n-tiles)
 _SMEM_LIMIT = 227 * 1024
 
 
 def _bin_smem_bytes(c) -> int:
-    ring = c.bin_stages * c.bin_cols * _PITCH * 2
-    srows = c.bin_group * _R_MAX * (2 + 4)
-    return ring + srows + 4 * (c.bin_threads * c.bin_scan_unroll + c.bin_group) \
+    ring = c.bin_stages * c.bin_cols * _R_MAX * 2
+    return ring + 4 * (c.bin_threads * c.bin_scan_unroll + 16 * c.bin_mtiles) \
         + 4 * c.bin_scan_unroll * (c.bin_threads // 32) + 1024
 
 
 @dataclass(frozen=True)
 class BgmvExpandSm90Config:
-    """cols_per_lane: output columns per lane (chunk = 32 * cols_per_lane columns). 2 doubles
-        the b bytes in flight per warp (H200, T=32: 44 -> 37 us; 3 and 4 cost occupancy;
-        perf/results/tune_memops_h200_small.json).
-    num_sms, ctas_per_sm: grid size = min(work items, num_sms * ctas_per_sm). The default
-    cap is far above any work-item count, i.e. one CTA per work item: the hardware block
-    scheduler then balances bins of very uneven size (H200, T=256..2048: 11-14% faster than a
-    persistent grid of num_sms=132; perf/results/tune_memops_h200_grid.json).
+    """num_sms, ctas_per_sm: pair-schedule grid = min(work items, num_sms * ctas_per_sm). The
+    default cap is far above any work-item count, i.e. one CTA per work item.
+    bin_*: the bin schedule (module docstring); bin_mtiles: 16-pair m-tiles per group,
+    bin_cols: output columns per ring stage.
     pdl: variants built with after_shrink=True (the ones a plan launches right after its
         own shrink): the pair kernel (small T) is launched with programmatic stream
         serialization, so it may start while that shrink still runs; it issues its b loads
@@ -90,15 +80,13 @@ class BgmvExpandSm90Config:
         launched without PDL. A CTA whose pairs are all dead never waits: it only writes
         zeros to y, which the shrink does not touch."""
 
-    cols_per_lane: int = 2
     num_sms: int = 65536
     ctas_per_sm: int = 2
-    # ---- v2 bin mode (large T; see the module docstring)
-    bin_mode: bool = True          # False: always the v1 pair schedule
+    bin_mode: bool = True          # False: always the pair schedule
     bin_min_pairs: int = 384       # P = T * k from which the bin schedule runs
-    bin_threads: int = 256         # threads per bin CTA (multiple of bin_cols)
-    bin_cols: int = 128            # output columns per ring stage (one owner column per thread)
-    bin_group: int = 64            # pairs per B stream (their s rows staged in smem)
+    bin_threads: int = 256
+    bin_cols: int = 128            # output columns per ring stage
+    bin_mtiles: int = 2            # 16-pair m-tiles per group
     bin_stages: int = 4            # cp.async ring depth (column chunks of the bin's B slab)
     bin_scan_unroll: int = 4       # pair-table entries per thread per scan round
     bin_ctas_per_sm: int = 2
@@ -113,12 +101,11 @@ class BgmvExpandSm90:
         if not BgmvExpandSm90.can_implement(dtype, config):
             raise ValueError(f"BgmvExpandSm90 cannot implement {dtype} with {config}")
         self.dtype = dtype
+        self.bf16 = is_bf16(dtype)
         self.finalize = bool(finalize)
         self.cfg = config
         # PDL only where the kernel before is known to be the plan's shrink (see cfg.pdl)
         self.pdl = config.pdl and bool(after_shrink)
-        self.NC = config.cols_per_lane
-        self.CN = 32 * config.cols_per_lane
         self.num_threads = 32 * _MAX_K
 
     @staticmethod
@@ -126,15 +113,14 @@ class BgmvExpandSm90:
         if dtype not in _DTYPES:
             return False
         c = config
-        if not (1 <= c.cols_per_lane <= 4):
-            return False
         if not (c.num_sms >= 1 and c.ctas_per_sm >= 1):
             return False
-        if c.bin_cols < 32 or c.bin_cols % 32 or c.bin_threads % c.bin_cols:
+        nw = c.bin_threads // 32
+        if c.bin_threads % 32 or not (64 <= c.bin_threads <= 1024):
             return False
-        if not (c.bin_cols <= c.bin_threads <= 1024) or (c.bin_cols * _MAX_RV) % c.bin_threads:
+        if c.bin_cols < 8 or c.bin_cols % (8 * nw) or (c.bin_cols * _R_MAX // _VEC) % c.bin_threads:
             return False
-        if not (1 <= c.bin_group <= c.bin_threads and 2 <= c.bin_stages <= 8):
+        if not (1 <= c.bin_mtiles <= 4 and 2 <= c.bin_stages <= 8):
             return False
         if not (1 <= c.bin_scan_unroll <= 32 and c.bin_min_pairs >= 1 and c.bin_ctas_per_sm >= 1):
             return False
@@ -172,23 +158,24 @@ class BgmvExpandSm90:
                     grid=[b_grid, 1, 1], block=[cfg.bin_threads, 1, 1], stream=stream,
                     min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100)
         else:
-            items = ((N + self.CN - 1) // self.CN) * T
+            items = ((N + _CN - 1) // _CN) * T
             grid = cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm)
             grid = cutlass.max(grid, 1)
             self.kernel(s, b, topk_ids, lora, topk_w, y).launch(
                 grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
                 use_pdl=self.pdl)
 
-    # ------------------------------------------------------------------ device side
+    # ------------------------------------------------------------------ pair schedule
     @cute.kernel
     def kernel(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
                lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor):
-        NC, CN = self.NC, self.CN
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
+        g = lane >> 2
+        q = lane & 3
 
         T = lora.shape[0]
         K = topk_ids.shape[1]
@@ -197,8 +184,9 @@ class BgmvExpandSm90:
         N = b.shape[2]
         R = b.shape[3]
         nrv = R // _VEC
-        n_chunks = (N + CN - 1) // CN
+        n_chunks = (N + _CN - 1) // _CN
         items = n_chunks * T
+        zmask = cutlass.Int32(N) >> 30           # 0 at run time, opaque to ptxas
 
         vec_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
                                        num_bits_per_copy=128)
@@ -208,19 +196,20 @@ class BgmvExpandSm90:
         if cutlass.const_expr(self.finalize):
             smem = cutlass.utils.SmemAllocator()
             sd = smem.allocate_tensor(cutlass.Float32,
-                                      cute.make_layout((CN, _MAX_K), stride=(1, CN)), 16)
+                                      cute.make_layout((_CN, _MAX_K), stride=(1, _CN)), 16)
             slive = smem.allocate_tensor(cutlass.Int32, cute.make_layout((_MAX_K,)), 16)
             sw = smem.allocate_tensor(cutlass.Float32, cute.make_layout((_MAX_K,)), 16)
 
         for w in cutlass.range(bid, items, nblk):
             c = w // T
             t = w - c * T
-            n0 = c * CN
+            n0 = c * _CN
             j = warp
             p = t * K + j
             lo = lora[t]
             live = cutlass.Boolean(False)
-            d = cute.make_rmem_tensor((NC,), cutlass.Float32)
+            # lane (g, q) ends with columns n0 + 8g + 2q, +1 (n-tile g of the chunk)
+            d = cute.make_rmem_tensor((2,), cutlass.Float32)
             d.fill(0.0)
             wj = cutlass.Float32(0.0)
             if j < K:
@@ -231,41 +220,21 @@ class BgmvExpandSm90:
                 ex = topk_ids[t, j]
                 live = (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)
                 if live:
-                    sf = cute.make_rmem_tensor((_VEC, _MAX_RV), self.dtype)
-                    bf = cute.make_rmem_tensor((_VEC, _MAX_RV, NC), self.dtype)
-                    # issue every load of the pair first: b (an input) before the wait for
-                    # the shrink that writes s (self.pdl; a no-op once that kernel is done)
-                    for qv in cutlass.range_constexpr(_MAX_RV):
-                        if qv < nrv:
-                            for i in cutlass.range_constexpr(NC):
-                                n = cutlass.min(n0 + 32 * i + lane, N - 1)
-                                cute.copy(vec_atom, bv[(None, (lo, ex, n, qv))], bf[None, qv, i])
-                    if cutlass.const_expr(self.pdl):
-                        cute.arch.griddepcontrol_wait()
-                    for qv in cutlass.range_constexpr(_MAX_RV):
-                        if qv < nrv:
-                            cute.copy(vec_atom, sv[(None, (p, qv))], sf[None, qv])
-                    # d[n] = FMA chain over q = 0 .. R-1
-                    for qv in cutlass.range_constexpr(_MAX_RV):
-                        if qv < nrv:
-                            s32 = cute.make_rmem_tensor((_VEC,), cutlass.Float32)
-                            s32.store(widen(sf[None, qv].load()))
-                            for i in cutlass.range_constexpr(NC):
-                                b32 = cute.make_rmem_tensor((_VEC,), cutlass.Float32)
-                                b32.store(widen(bf[None, qv, i].load()))
-                                acc = d[i]
-                                for e8 in cutlass.range_constexpr(_VEC):
-                                    acc = acc + s32[e8] * b32[e8]
-                                d[i] = acc
+                    if R > _KB:
+                        self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
+                                        zmask, 2)
+                    else:
+                        self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
+                                        zmask, 1)
 
             if cutlass.const_expr(self.finalize):
-                for i in cutlass.range_constexpr(NC):
-                    sd[32 * i + lane, j] = d[i]
+                for e2 in cutlass.range_constexpr(2):
+                    sd[8 * g + 2 * q + e2, j] = d[e2]
                 if lane == 0:
                     slive[j] = cutlass.Int32(live)
                     sw[j] = wj
                 cute.arch.sync_threads()
-                if tidx < CN:
+                if tidx < _CN:
                     n = n0 + tidx
                     out = cutlass.Float32(0.0)
                     for jj in cutlass.range(K):
@@ -277,19 +246,55 @@ class BgmvExpandSm90:
                 cute.arch.sync_threads()
             else:
                 if j < K:
-                    for i in cutlass.range_constexpr(NC):
-                        n = n0 + 32 * i + lane
+                    for e2 in cutlass.range_constexpr(2):
+                        n = n0 + 8 * g + 2 * q + e2
                         if n < N:
-                            y[p, n] = d[i]
+                            y[p, n] = d[e2]
 
-    # ================================================================== v2 bin mode
+    @cute.jit
+    def _pair_dots(self, sv, bv, vec_atom, d: cute.Tensor, p: cutlass.Int32, lo: cutlass.Int32,
+                   ex: cutlass.Int32, n0: cutlass.Int32, N: cutlass.Int32, nrv: cutlass.Int32,
+                   g: cutlass.Int32, q: cutlass.Int32, zmask: cutlass.Int32,
+                   NB: cutlass.Constexpr):
+        """d = the chains of n-tile g of the chunk for pair p (NB k blocks of R)."""
+        bf = cute.make_rmem_tensor((_VEC, NB, 8), self.dtype)
+        sf = cute.make_rmem_tensor((_VEC, NB), self.dtype)
+        # every load of the pair first: b (an input) before the wait for the shrink that
+        # writes s (self.pdl; a no-op once that kernel is done)
+        for i in cutlass.range_constexpr(8):
+            n = cutlass.min(n0 + 8 * i + g, N - 1)
+            for kb in cutlass.range_constexpr(NB):
+                v = cutlass.min(4 * kb + q, nrv - 1)
+                cute.copy(vec_atom, bv[(None, (lo, ex, n, v))], bf[None, kb, i])
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+        for kb in cutlass.range_constexpr(NB):
+            v = cutlass.min(4 * kb + q, nrv - 1)
+            cute.copy(vec_atom, sv[(None, (p, v))], sf[None, kb])
+        # all loads in flight before the first mma (see kernels/_mma.py: all_loaded)
+        hold = all_loaded([bf, sf], zmask)
+        for i in cutlass.range_constexpr(8):
+            acc = cute.make_rmem_tensor((4,), cutlass.Float32)
+            acc.fill(0.0)
+            for kb in cutlass.range_constexpr(NB):
+                ok = 4 * kb + q < nrv
+                sw_ = zero_unless(words(sf[None, kb]), ok)
+                if cutlass.const_expr(i == 0 and kb == 0):
+                    sw_[0] = sw_[0] | hold
+                mma_block(sw_, sw_, zero_unless(words(bf[None, kb, i]), ok), acc, self.bf16)
+            if g == i:
+                d[0] = acc[0]
+                d[1] = acc[1]
+
+    # ================================================================== bin schedule
     @cute.kernel
     def bin_kernel(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
                    lora: cute.Tensor, out: cute.Tensor):
         """out[p, n] = d[p, n] for the live pairs (out = ws when finalize, else y; y rows of
         dead pairs are zeroed when not finalize). Work item = one (adapter, expert) bin."""
         cfg = self.cfg
-        NT, G, S, SU = cfg.bin_threads, cfg.bin_group, cfg.bin_stages, cfg.bin_scan_unroll
+        NT, S, SU = cfg.bin_threads, cfg.bin_stages, cfg.bin_scan_unroll
+        G = 16 * cfg.bin_mtiles
         CN = cfg.bin_cols
         NWP = NT // 32
         CAP = NT * SU + G
@@ -308,11 +313,7 @@ class BgmvExpandSm90:
         items = L * E
 
         smem = cutlass.utils.SmemAllocator()
-        sB = smem.allocate_tensor(self.dtype, cute.make_layout(
-            (CN, _PITCH, S), stride=(_PITCH, 1, CN * _PITCH)), 128)
-        sS = smem.allocate_tensor(self.dtype, cute.make_layout((G, _R_MAX), stride=(_R_MAX, 1)), 128)
-        sSf = smem.allocate_tensor(cutlass.Float32,
-                                   cute.make_layout((G, _R_MAX), stride=(_R_MAX, 1)), 128)
+        sB = smem.allocate_tensor(self.dtype, cute.make_layout((S * CN * _R_MAX,)), 128)
         slist = smem.allocate_tensor(cutlass.Int32, cute.make_layout((CAP,)), 16)
         swc = smem.allocate_tensor(cutlass.Int32, cute.make_layout((SU * NWP,)), 16)
 
@@ -338,124 +339,128 @@ class BgmvExpandSm90:
                 # full groups now; the remainder (< G) waits for the next round
                 ng = nl // G
                 for gi in cutlass.range(ng):
-                    self.bin_group(s, b, out, sB, sS, sSf, slist, gi * G, G, l_b, e_b, N, tidx)
+                    self.bin_group_r(s, b, out, sB, slist, gi * G, G, l_b, e_b, N, tidx, warp,
+                                     lane)
                 nl = keep_remainder(slist, nl, ng, G, tidx)
             if nl > 0:
-                self.bin_group(s, b, out, sB, sS, sSf, slist, 0, nl, l_b, e_b, N, tidx)
+                self.bin_group_r(s, b, out, sB, slist, 0, nl, l_b, e_b, N, tidx, warp, lane)
             cute.arch.sync_threads()
 
     @cute.jit
+    def bin_group_r(self, s, b, out, sB, slist, off, n, l_b, e_b, N, tidx, warp, lane):
+        """bin_group specialized on the number of k blocks of R (registers: R <= 32 holds
+        one block of s fragments)."""
+        if b.shape[3] > _KB:
+            self.bin_group(s, b, out, sB, slist, off, n, l_b, e_b, N, tidx, warp, lane, 2)
+        else:
+            self.bin_group(s, b, out, sB, slist, off, n, l_b, e_b, N, tidx, warp, lane, 1)
+
+    @staticmethod
+    def _sw(slot, row, ch, CN: int):
+        """Vector index of (slot, row, 16-byte chunk ch) in the flat B ring (rows of _R_MAX
+        elements = 8 chunks): odd rows have their chunks XOR 4, so the 8 lanes of a fragment
+        read phase (rows g, g + 1) hit 8 different bank groups."""
+        return (slot * CN + row) * (_R_MAX // _VEC) + (ch ^ ((row & 1) << 2))
+
+    @cute.jit
     def bin_group(self, s: cute.Tensor, b: cute.Tensor, out: cute.Tensor, sB: cute.Tensor,
-                  sS: cute.Tensor, sSf: cute.Tensor, slist: cute.Tensor, off: cutlass.Int32,
-                  n: cutlass.Int32, l_b: cutlass.Int32, e_b: cutlass.Int32, N: cutlass.Int32,
-                  tidx: cutlass.Int32):
-        """The n (<= G) pairs slist[off .. off+n) of bin (l_b, e_b): their s rows are staged
-        once, then the bin's B slab streams through the ring in chunks of CN columns; thread
-        (column c, half h) computes d[p, n] for the pairs m = h, h + TPC, ... with the same
-        FMA chain as the pair schedule (q = 0 .. R-1, fp32)."""
+                  slist: cute.Tensor, off: cutlass.Int32, n: cutlass.Int32,
+                  l_b: cutlass.Int32, e_b: cutlass.Int32, N: cutlass.Int32,
+                  tidx: cutlass.Int32, warp: cutlass.Int32, lane: cutlass.Int32,
+                  NB: cutlass.Constexpr):
+        """The n (<= G) pairs slist[off .. off+n) of bin (l_b, e_b): their s rows become mma
+        fragments in registers, then the bin's B slab streams through the ring in chunks of
+        CN columns; warp w runs n-tiles w, w + warps, ... of each chunk for every m-tile."""
         cfg = self.cfg
-        NT, G, S, CN = cfg.bin_threads, cfg.bin_group, cfg.bin_stages, cfg.bin_cols
-        TPC = NT // CN
+        NT, S, CN, MT = cfg.bin_threads, cfg.bin_stages, cfg.bin_cols, cfg.bin_mtiles
+        NWP = NT // 32
+        NTW = CN // 8 // NWP                      # n-tiles per warp and chunk
+        g = lane >> 2
+        q = lane & 3
         R = b.shape[3]
-        R8 = R // _VEC
+        nrv = R // _VEC
         nch = (N + CN - 1) // CN
-        c = tidx % CN
-        h = tidx // CN
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                   self.dtype, num_bits_per_copy=128)
+        vec_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                       num_bits_per_copy=128)
+        sv = cute.zipped_divide(s, (1, _VEC))    # ((1, 8), (P, nrv))
         slab = slab_ptr(b, l_b, e_b, _VEC)
-        # ---- the group's s rows (own commit group, first)
-        for ps in cutlass.range_constexpr((G * _MAX_RV + NT - 1) // NT):
-            v = ps * NT + tidx
-            m = v // _MAX_RV
-            q = v - m * _MAX_RV
-            if (m < n) & (q < R8):
-                pm = slist[off + m]
-                src = cute.local_tile(s[pm, None], (_VEC,), (q,))
-                dst = cute.local_tile(sS[m, None], (_VEC,), (q,))
-                cute.copy(atom, src, dst)
-        cute.arch.cp_async_commit_group()
         for st in cutlass.range_constexpr(S - 1):
             if st < nch:
-                self.bin_load_stage(b, slab, sB, N, R8, st, st, tidx)
+                self.bin_load_stage(b, slab, sB, N, nrv, st, st, tidx)
             cute.arch.cp_async_commit_group()
-        # s rows landed (the S-1 newer groups may be pending): convert them to fp32 once
-        cute.arch.cp_async_wait_group(S - 1)
-        cute.arch.sync_threads()
-        for ps in cutlass.range_constexpr((G * _MAX_RV + NT - 1) // NT):
-            v = ps * NT + tidx
-            m = v // _MAX_RV
-            q = v - m * _MAX_RV
-            if (m < n) & (q < R8):
-                vs = cute.local_tile(sS[m, None], (_VEC,), (q,))
-                vf = cute.local_tile(sSf[m, None], (_VEC,), (q,))
-                vf.store(vs.load().to(cutlass.Float32))  # once per group
 
-        # b row in fp32 registers, half of R_max at a time: for R > 32 the chain of every
-        # pair is carried across the halves through its (fp32, exact) output element, which
-        # the same thread wrote; the fp32 operation sequence is unchanged.
-        HV = _MAX_RV // 2
-        bf = cute.make_rmem_tensor((_VEC, HV), cutlass.Float32)
+        # the group's s rows as A fragments (rows g / g + 8 of each m-tile), zeros past R
+        # and for rows past the group; their pair ids for the stores
+        sfr = cute.make_rmem_tensor((_VEC, 2, NB, MT), self.dtype)
+        sfr.fill(0.0)
+        prow = cute.make_rmem_tensor((2, MT), cutlass.Int32)
+        for mt in cutlass.range_constexpr(MT):
+            for hh in cutlass.range_constexpr(2):
+                m = mt * 16 + g + 8 * hh
+                prow[hh, mt] = cutlass.Int32(-1)
+                if m < n:
+                    pm = slist[off + m]
+                    prow[hh, mt] = pm
+                    for kb in cutlass.range_constexpr(NB):
+                        if 4 * kb + q < nrv:
+                            cute.copy(vec_atom, sv[(None, (pm, 4 * kb + q))], sfr[None, hh, kb, mt])
+
         for hs in cutlass.range(nch):
             cute.arch.cp_async_wait_group(S - 2)
             cute.arch.sync_threads()
             nxt = hs + (S - 1)
             if nxt < nch:
-                self.bin_load_stage(b, slab, sB, N, R8, nxt, nxt % S, tidx)
+                self.bin_load_stage(b, slab, sB, N, nrv, nxt, nxt % S, tidx)
             cute.arch.cp_async_commit_group()
             slot = hs % S
-            col = hs * CN + c
-            for half in cutlass.range_constexpr(2):
-                if (half == 0) | (R8 > HV):
-                    for qq in cutlass.range_constexpr(HV):
-                        qv = half * HV + qq
-                        if qv < R8:
-                            vb = cute.local_tile(sB[c, None, slot], (_VEC,), (qv,))
-                            # (.to, not widen: widen spills at 128 registers here)
-                            bf[None, qq].store(vb.load().to(cutlass.Float32))
-                    for m in cutlass.range(h, n, TPC):
-                        pm = slist[off + m]
-                        d = cutlass.Float32(0.0)
-                        if cutlass.const_expr(half == 1):
-                            if col < N:
-                                d = out[pm, col]
-                        for qq in cutlass.range_constexpr(HV):
-                            qv = half * HV + qq
-                            if qv < R8:
-                                s32 = cute.make_rmem_tensor((_VEC,), cutlass.Float32)
-                                s32.store(cute.local_tile(sSf[m, None], (_VEC,), (qv,)).load())
-                                acc = d
-                                for e8 in cutlass.range_constexpr(_VEC):
-                                    acc = acc + s32[e8] * bf[e8, qq]
-                                d = acc
-                        if col < N:
-                            out[pm, col] = d
-        # every thread is out of the ring / s rows before the next group refills them
+            for ii in cutlass.range_constexpr(NTW):
+                nt = warp + NWP * ii
+                bw = cute.make_rmem_tensor((_VEC, NB), self.dtype)
+                bw.fill(0.0)
+                for kb in cutlass.range_constexpr(NB):
+                    if 4 * kb + q < nrv:
+                        src = cute.local_tile(sB, (_VEC,), (self._sw(slot, nt * 8 + g, 4 * kb + q, CN),))
+                        bw[None, kb].store(src.load())
+                col = hs * CN + nt * 8 + 2 * q
+                for mt in cutlass.range_constexpr(MT):
+                    if mt * 16 < n:
+                        acc = cute.make_rmem_tensor((4,), cutlass.Float32)
+                        acc.fill(0.0)
+                        for kb in cutlass.range_constexpr(NB):
+                            mma_block(words(sfr[None, 0, kb, mt]), words(sfr[None, 1, kb, mt]),
+                                      words(bw[None, kb]), acc, self.bf16)
+                        for hh in cutlass.range_constexpr(2):
+                            pm = prow[hh, mt]
+                            if pm >= 0:
+                                for e2 in cutlass.range_constexpr(2):
+                                    if col + e2 < N:
+                                        out[pm, col + e2] = acc[2 * hh + e2]
+        # every thread is out of the ring before the next group refills it
         cute.arch.sync_threads()
 
     @cute.jit
     def bin_load_stage(self, b: cute.Tensor, slab: cute.Pointer, sB: cute.Tensor,
-                       N: cutlass.Int32, R8: cutlass.Int32,
+                       N: cutlass.Int32, nrv: cutlass.Int32,
                        st: cutlass.Int32, slot: cutlass.Int32, tidx: cutlass.Int32):
         """cp.async column chunk `st` (CN rows of b[l_b, e_b], R elements each) into ring slot
-        `slot`; rows past N and vectors past R are not copied (never used)."""
+        `slot`; rows past N and vectors past R are not copied (never read)."""
         cfg = self.cfg
         NT, CN = cfg.bin_threads, cfg.bin_cols
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    self.dtype, num_bits_per_copy=128)
         # 32-bit offsets inside the bin's slab (b[l_b, e_b]: N * R elements) from its base
-        # pointer, computed once per group; indexing the 4-mode tensor per copy was ~15
-        # integer instructions each, a quarter of the bin kernel's instructions
+        # pointer; indexing the 4-mode tensor per copy costs ~15 integer instructions each
         s_n = cutlass.Int32(b.stride[2])
-        for ps in cutlass.range_constexpr(CN * _MAX_RV // NT):
+        CPR = _R_MAX // _VEC
+        for ps in cutlass.range_constexpr(CN * CPR // NT):
             v = ps * NT + tidx
-            row = v // _MAX_RV
-            q = v - row * _MAX_RV
-            n = st * CN + row
-            if (q < R8) & (n < N):
-                src = cute.make_tensor(slab + cute.assume(n * s_n + q * _VEC, divby=_VEC),
+            row = v // CPR
+            ch = v - row * CPR
+            nn = st * CN + row
+            if (ch < nrv) & (nn < N):
+                src = cute.make_tensor(slab + cute.assume(nn * s_n + ch * _VEC, divby=_VEC),
                                        cute.make_layout(_VEC))
-                dst = cute.local_tile(sB[row, None, slot], (_VEC,), (q,))
+                dst = cute.local_tile(sB, (_VEC,), (self._sw(slot, row, ch, CN),))
                 cute.copy(atom, src, dst)
 
     @cute.kernel
