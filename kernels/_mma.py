@@ -76,15 +76,20 @@ def all_loaded(frags, zmask):
     """An Int32 that is 0 at run time (zmask must be 0 there, opaque to the compiler) but
     depends on every word of the register tensors `frags`. OR-ing it into the first mma's
     operand keeps all their loads in flight before the chain: without it ptxas sinks each
-    16-byte load down to its mma.sync, one memory round trip per k block."""
-    acc = None
+    16-byte load down to its mma.sync, one memory round trip per k block. (An XOR tree, not
+    a chain: it sits on the critical path between the last load and the first mma.)"""
+    import cutlass.cute as cute
+    vals = []
     for f in frags:
         w = f.load().bitcast(Int32)
-        for i in range(cute_size(w)):
-            acc = w[i] if acc is None else acc ^ w[i]
-    return acc & zmask
-
-
-def cute_size(v):
-    import cutlass.cute as cute
-    return cute.size(v.shape)
+        vals += [w[i] for i in range(cute.size(w.shape))]
+    while len(vals) > 1:
+        nxt = []
+        for i in range(0, len(vals), 3):
+            grp = vals[i:i + 3]
+            v = grp[0]
+            for w in grp[1:]:
+                v = v ^ w
+            nxt.append(v)
+        vals = nxt
+    return vals[0] & zmask

@@ -203,20 +203,19 @@ def test_attn_res_kernel_choice(monkeypatch):
 
 
 def test_bgmv_sm90_config_bounds():
-    """The sm90 BGMV configs reject shapes the kernels cannot run: a ring stage must hold
-    whole 32-element k blocks and at least 8 vectors per row (the parity swizzle), and a
-    shrink segment must be whole stages (the bin schedule closes a segment's chain at a
-    stage boundary, as the pair schedule does at a segment boundary)."""
+    """The sm90 BGMV configs reject shapes the kernels cannot run: segments of whole
+    32-element k blocks, ring rows of whole groups of 8 vectors (the parity swizzle), the
+    shared-memory limit."""
     import cutlass
     from kernels.sm90.bgmv_expand import BgmvExpandSm90, BgmvExpandSm90Config as EC
     from kernels.sm90.bgmv_shrink import BgmvShrinkSm90, BgmvShrinkSm90Config as C
     bf = cutlass.BFloat16
     ok = BgmvShrinkSm90.can_implement
     assert ok(bf, C()) and BgmvExpandSm90.can_implement(bf, EC())
-    assert ok(bf, C(seg_h=512, bin_chunk_h=256))
-    assert not ok(bf, C(seg_h=256, bin_chunk_h=96))     # segment not whole stages
+    assert ok(bf, C(seg_h=256, bin_chunk_h=192))        # a segment may end inside a stage
     assert not ok(bf, C(bin_chunk_h=32))                # < 8 vectors per row
+    assert not ok(bf, C(bin_chunk_h=96))                # 12 vectors: the swizzle leaves the row
     assert not ok(bf, C(seg_h=48))                      # not whole k blocks
-    assert not ok(bf, C(bin_stages=8, bin_chunk_h=512, seg_h=512))   # shared memory
+    assert not ok(bf, C(bin_stages=8, bin_chunk_h=256))  # shared memory
     assert not ok(cutlass.Float32, C())
     assert not BgmvExpandSm90.can_implement(bf, EC(bin_cols=100))

@@ -3,8 +3,7 @@ of one (adapter, expert) bin from the pair table, without atomics, and the base 
 bin's weight slab.
 
 Both kernels call `collect_round` once per round of NT * SU pairs and then `keep_remainder`
-after processing the full groups; the list order (increasing p) and every value are what the
-kernels computed inline before (bit-identical results)."""
+after processing the full groups."""
 from __future__ import annotations
 
 import cutlass
@@ -17,35 +16,68 @@ def collect_round(lora: cute.Tensor, topk_ids: cute.Tensor, l_b: cutlass.Int32,
                   nl: cutlass.Int32, slist: cute.Tensor, swc: cute.Tensor, tidx: cutlass.Int32,
                   warp: cutlass.Int32, lane: cutlass.Int32, NT: cutlass.Constexpr,
                   NW: cutlass.Constexpr, SU: cutlass.Constexpr):
-    """Append to slist[nl:] the pairs p in [base, base + NT * SU) of bin (l_b, e_b), in
-    increasing p (u-major, then warp, then lane: warp ballots + popc, per-warp counts in swc
-    (SU * NW ints)); returns the new list length (CTA-uniform). All index loads of the round
-    are issued before the first ballot. Ends with a CTA barrier (the list is readable)."""
-    hit = cute.make_rmem_tensor((SU,), cutlass.Int32)
+    """Append to slist[nl:] the pairs p in [base, base + NT * SU) of bin (l_b, e_b) (thread
+    tidx tests p = base + u * NT + tidx, u = 0 .. SU-1; all index loads of the round in flight
+    together); returns the new list length (CTA-uniform). The list order is deterministic
+    (u-major, then warp, then lane), and no result depends on it: a pair's bits do not depend
+    on the tile row or group it lands in. swc holds SU * NW + 1 ints. Ends with a CTA barrier
+    (the list is readable)."""
+    T = P // K
+    p0 = base + tidx
+    t = p0 // K                      # one division per round; then stepped by NT
+    j = p0 - t * K
+    ts = NT // K
+    js = NT - ts * K
+    bits = cutlass.Int32(0)
     for u in cutlass.range_constexpr(SU):
-        p = base + u * NT + tidx
-        pc = cutlass.min(p, P - 1)
-        t = pc // K
-        j = pc - t * K
-        lo = lora[t]
-        ex = topk_ids[t, j]
-        hit[u] = cutlass.Int32((p < P) & (lo == l_b) & (ex == e_b))
+        tc = cutlass.min(t, T - 1)
+        lo = lora[tc]
+        ex = topk_ids[tc, j]
+        hit = (t < T) & (lo == l_b) & (ex == e_b)
+        bits = bits | cutlass.Int32(cutlass.select_(hit, 1 << u, 0))
+        t = t + ts
+        j = j + js
+        wrap = j >= K
+        j = cutlass.Int32(cutlass.select_(wrap, j - K, j))
+        t = cutlass.Int32(cutlass.select_(wrap, t + 1, t))
     for u in cutlass.range_constexpr(SU):
-        bal = cute.arch.vote_ballot_sync(hit[u] != 0)
+        bal = cute.arch.vote_ballot_sync(((bits >> u) & 1) != 0)
         if lane == 0:
             swc[u * NW + warp] = cute.arch.popc(cutlass.Int32(bal))
     cute.arch.sync_threads()
+    # warp 0: exclusive prefix of the SU * NW counts (u-major) in place, total at the end
+    NV = SU * NW
+    V = (NV + 31) // 32
+    if warp == 0:
+        vals = cute.make_rmem_tensor((V,), cutlass.Int32)
+        tot = cutlass.Int32(0)
+        for v in cutlass.range_constexpr(V):
+            idx = lane * V + v
+            vals[v] = cutlass.Int32(0)
+            if idx < NV:
+                vals[v] = swc[idx]
+            tot = tot + vals[v]
+        x = tot
+        for d in cutlass.range_constexpr(5):
+            y = cute.arch.shuffle_sync_up(x, offset=1 << d)
+            if lane >= (1 << d):
+                x = x + y
+        run = x - tot
+        for v in cutlass.range_constexpr(V):
+            idx = lane * V + v
+            if idx < NV:
+                swc[idx] = run
+            run = run + vals[v]
+        if lane == 31:
+            swc[NV] = x
+    cute.arch.sync_threads()
     lt = cutlass.Int32(cute.arch.lanemask_lt())
-    run = nl
     for u in cutlass.range_constexpr(SU):
-        mine = run
-        for ww in cutlass.range_constexpr(NW):
-            c = swc[u * NW + ww]
-            mine = cutlass.Int32(cutlass.select_(ww < warp, mine + c, mine))
-            run = run + c
-        bal = cute.arch.vote_ballot_sync(hit[u] != 0)
-        if hit[u] != 0:
-            slist[mine + cute.arch.popc(cutlass.Int32(bal) & lt)] = base + u * NT + tidx
+        on = ((bits >> u) & 1) != 0
+        bal = cute.arch.vote_ballot_sync(on)
+        if on:
+            slist[nl + swc[u * NW + warp] + cute.arch.popc(cutlass.Int32(bal) & lt)] = p0 + u * NT
+    run = nl + swc[NV]
     cute.arch.sync_threads()
     return run
 
@@ -74,3 +106,4 @@ def slab_ptr(w: cute.Tensor, l_b, e_b, vec: int):
     return w.iterator + cute.assume(cutlass.Int64(l_b) * cutlass.Int64(w.stride[0])
                                     + cutlass.Int64(e_b) * cutlass.Int64(w.stride[1]),
                                     divby=vec)
+

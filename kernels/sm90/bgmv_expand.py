@@ -57,6 +57,13 @@ _CN = 64            # pair schedule: output columns per work item (8 n-tiles)
 _SMEM_LIMIT = 227 * 1024
 
 
+def _pair_at(y, row, col):
+    """y[row, col:col + 2] as a 2-element tensor the DSL knows is 8-byte aligned (col even;
+    the ABI makes the row stride a multiple of 4 and the base 16-byte aligned)."""
+    return cute.make_tensor(y.iterator + cute.assume(row * y.stride[0] + col, divby=2),
+                            cute.make_layout(2))
+
+
 def _bin_smem_bytes(c) -> int:
     ring = c.bin_stages * c.bin_cols * _R_MAX * 2
     return ring + 4 * (c.bin_threads * c.bin_scan_unroll + 16 * c.bin_mtiles) \
@@ -68,7 +75,8 @@ class BgmvExpandSm90Config:
     """num_sms, ctas_per_sm: pair-schedule grid = min(work items, num_sms * ctas_per_sm). The
     default cap is far above any work-item count, i.e. one CTA per work item.
     bin_*: the bin schedule (module docstring); bin_mtiles: 16-pair m-tiles per group,
-    bin_cols: output columns per ring stage.
+    bin_cols: output columns per ring stage at rank 33..64, twice that at rank <= 32 (the
+        same bytes per stage).
     pdl: variants built with after_shrink=True (the ones a plan launches right after its
         own shrink): the pair kernel (small T) is launched with programmatic stream
         serialization, so it may start while that shrink still runs; it issues its b loads
@@ -85,8 +93,8 @@ class BgmvExpandSm90Config:
     bin_mode: bool = True          # False: always the pair schedule
     bin_min_pairs: int = 384       # P = T * k from which the bin schedule runs
     bin_threads: int = 256
-    bin_cols: int = 128            # output columns per ring stage
-    bin_mtiles: int = 2            # 16-pair m-tiles per group
+    bin_cols: int = 128            # output columns per ring stage (R > 32; twice at R <= 32)
+    bin_mtiles: int = 1            # 16-pair m-tiles per group
     bin_stages: int = 4            # cp.async ring depth (column chunks of the bin's B slab)
     bin_scan_unroll: int = 4       # pair-table entries per thread per scan round
     bin_ctas_per_sm: int = 2
@@ -190,6 +198,8 @@ class BgmvExpandSm90:
 
         vec_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
                                        num_bits_per_copy=128)
+        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
+                                      num_bits_per_copy=64)
         sv = cute.zipped_divide(s, (1, _VEC))        # ((1, 8), (P, nrv))
         bv = cute.zipped_divide(b, (1, 1, 1, _VEC))  # ((1,1,1,8), (L, E, N, nrv))
 
@@ -245,11 +255,9 @@ class BgmvExpandSm90:
                 # the next item rewrites sd / slive
                 cute.arch.sync_threads()
             else:
-                if j < K:
-                    for e2 in cutlass.range_constexpr(2):
-                        n = n0 + 8 * g + 2 * q + e2
-                        if n < N:
-                            y[p, n] = d[e2]
+                n = n0 + 8 * g + 2 * q
+                if (j < K) & (n < N):     # (n even, N % 8 == 0: n + 1 < N too)
+                    cute.copy(st_atom, d, _pair_at(y, p, n))
 
     @cute.jit
     def _pair_dots(self, sv, bv, vec_atom, d: cute.Tensor, p: cutlass.Int32, lo: cutlass.Int32,
@@ -315,7 +323,7 @@ class BgmvExpandSm90:
         smem = cutlass.utils.SmemAllocator()
         sB = smem.allocate_tensor(self.dtype, cute.make_layout((S * CN * _R_MAX,)), 128)
         slist = smem.allocate_tensor(cutlass.Int32, cute.make_layout((CAP,)), 16)
-        swc = smem.allocate_tensor(cutlass.Int32, cute.make_layout((SU * NWP,)), 16)
+        swc = smem.allocate_tensor(cutlass.Int32, cute.make_layout((SU * NWP + 1,)), 16)
 
         if cutlass.const_expr(not self.finalize):
             # dead pairs: their y rows are zero (one warp per pair)
@@ -348,19 +356,23 @@ class BgmvExpandSm90:
 
     @cute.jit
     def bin_group_r(self, s, b, out, sB, slist, off, n, l_b, e_b, N, tidx, warp, lane):
-        """bin_group specialized on the number of k blocks of R (registers: R <= 32 holds
-        one block of s fragments)."""
+        """bin_group specialized on the number of k blocks of R: R <= 32 holds one block of s
+        fragments and streams twice as many columns per stage (rows of 32 elements) in the
+        same shared memory, so the bytes in flight per CTA do not depend on R."""
         if b.shape[3] > _KB:
             self.bin_group(s, b, out, sB, slist, off, n, l_b, e_b, N, tidx, warp, lane, 2)
         else:
             self.bin_group(s, b, out, sB, slist, off, n, l_b, e_b, N, tidx, warp, lane, 1)
 
     @staticmethod
-    def _sw(slot, row, ch, CN: int):
-        """Vector index of (slot, row, 16-byte chunk ch) in the flat B ring (rows of _R_MAX
-        elements = 8 chunks): odd rows have their chunks XOR 4, so the 8 lanes of a fragment
-        read phase (rows g, g + 1) hit 8 different bank groups."""
-        return (slot * CN + row) * (_R_MAX // _VEC) + (ch ^ ((row & 1) << 2))
+    def _sw(slot, row, ch, CN: int, NB: int):
+        """Vector index of (slot, row, 16-byte chunk ch) in the flat B ring (rows of 32 * NB
+        elements = 4 * NB chunks). The 8 lanes of a fragment read phase read rows g, g + 1:
+        with 4-chunk rows they are adjacent 64-byte halves of 128 bytes already; with 8-chunk
+        rows the odd rows have their chunks XOR 4."""
+        if NB == 1:
+            return (slot * CN + row) * 4 + ch
+        return (slot * CN + row) * 8 + (ch ^ ((row & 1) << 2))
 
     @cute.jit
     def bin_group(self, s: cute.Tensor, b: cute.Tensor, out: cute.Tensor, sB: cute.Tensor,
@@ -370,9 +382,11 @@ class BgmvExpandSm90:
                   NB: cutlass.Constexpr):
         """The n (<= G) pairs slist[off .. off+n) of bin (l_b, e_b): their s rows become mma
         fragments in registers, then the bin's B slab streams through the ring in chunks of
-        CN columns; warp w runs n-tiles w, w + warps, ... of each chunk for every m-tile."""
+        CN columns (rows of 32 * NB elements); warp w runs n-tiles w, w + warps, ... of each
+        chunk for every m-tile."""
         cfg = self.cfg
-        NT, S, CN, MT = cfg.bin_threads, cfg.bin_stages, cfg.bin_cols, cfg.bin_mtiles
+        NT, S, MT = cfg.bin_threads, cfg.bin_stages, cfg.bin_mtiles
+        CN = cfg.bin_cols * (_MAX_B // NB)
         NWP = NT // 32
         NTW = CN // 8 // NWP                      # n-tiles per warp and chunk
         g = lane >> 2
@@ -382,11 +396,13 @@ class BgmvExpandSm90:
         nch = (N + CN - 1) // CN
         vec_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
                                        num_bits_per_copy=128)
+        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
+                                      num_bits_per_copy=64)
         sv = cute.zipped_divide(s, (1, _VEC))    # ((1, 8), (P, nrv))
         slab = slab_ptr(b, l_b, e_b, _VEC)
         for st in cutlass.range_constexpr(S - 1):
             if st < nch:
-                self.bin_load_stage(b, slab, sB, N, nrv, st, st, tidx)
+                self.bin_load_stage(b, slab, sB, N, nrv, st, st, tidx, NB)
             cute.arch.cp_async_commit_group()
 
         # the group's s rows as A fragments (rows g / g + 8 of each m-tile), zeros past R
@@ -410,7 +426,7 @@ class BgmvExpandSm90:
             cute.arch.sync_threads()
             nxt = hs + (S - 1)
             if nxt < nch:
-                self.bin_load_stage(b, slab, sB, N, nrv, nxt, nxt % S, tidx)
+                self.bin_load_stage(b, slab, sB, N, nrv, nxt, nxt % S, tidx, NB)
             cute.arch.cp_async_commit_group()
             slot = hs % S
             for ii in cutlass.range_constexpr(NTW):
@@ -419,7 +435,8 @@ class BgmvExpandSm90:
                 bw.fill(0.0)
                 for kb in cutlass.range_constexpr(NB):
                     if 4 * kb + q < nrv:
-                        src = cute.local_tile(sB, (_VEC,), (self._sw(slot, nt * 8 + g, 4 * kb + q, CN),))
+                        src = cute.local_tile(
+                            sB, (_VEC,), (self._sw(slot, nt * 8 + g, 4 * kb + q, CN, NB),))
                         bw[None, kb].store(src.load())
                 col = hs * CN + nt * 8 + 2 * q
                 for mt in cutlass.range_constexpr(MT):
@@ -431,27 +448,30 @@ class BgmvExpandSm90:
                                       words(bw[None, kb]), acc, self.bf16)
                         for hh in cutlass.range_constexpr(2):
                             pm = prow[hh, mt]
-                            if pm >= 0:
-                                for e2 in cutlass.range_constexpr(2):
-                                    if col + e2 < N:
-                                        out[pm, col + e2] = acc[2 * hh + e2]
+                            if (pm >= 0) & (col < N):   # (col even, N % 8 == 0)
+                                o2 = cute.make_rmem_tensor((2,), cutlass.Float32)
+                                o2[0] = acc[2 * hh]
+                                o2[1] = acc[2 * hh + 1]
+                                cute.copy(st_atom, o2, _pair_at(out, pm, col))
         # every thread is out of the ring before the next group refills it
         cute.arch.sync_threads()
 
     @cute.jit
     def bin_load_stage(self, b: cute.Tensor, slab: cute.Pointer, sB: cute.Tensor,
                        N: cutlass.Int32, nrv: cutlass.Int32,
-                       st: cutlass.Int32, slot: cutlass.Int32, tidx: cutlass.Int32):
+                       st: cutlass.Int32, slot: cutlass.Int32, tidx: cutlass.Int32,
+                       NB: cutlass.Constexpr):
         """cp.async column chunk `st` (CN rows of b[l_b, e_b], R elements each) into ring slot
         `slot`; rows past N and vectors past R are not copied (never read)."""
         cfg = self.cfg
-        NT, CN = cfg.bin_threads, cfg.bin_cols
+        NT = cfg.bin_threads
+        CN = cfg.bin_cols * (_MAX_B // NB)
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    self.dtype, num_bits_per_copy=128)
         # 32-bit offsets inside the bin's slab (b[l_b, e_b]: N * R elements) from its base
         # pointer; indexing the 4-mode tensor per copy costs ~15 integer instructions each
         s_n = cutlass.Int32(b.stride[2])
-        CPR = _R_MAX // _VEC
+        CPR = 4 * NB
         for ps in cutlass.range_constexpr(CN * CPR // NT):
             v = ps * NT + tidx
             row = v // CPR
@@ -460,7 +480,7 @@ class BgmvExpandSm90:
             if (ch < nrv) & (nn < N):
                 src = cute.make_tensor(slab + cute.assume(nn * s_n + ch * _VEC, divby=_VEC),
                                        cute.make_layout(_VEC))
-                dst = cute.local_tile(sB, (_VEC,), (self._sw(slot, row, ch, CN),))
+                dst = cute.local_tile(sB, (_VEC,), (self._sw(slot, row, ch, CN, NB),))
                 cute.copy(atom, src, dst)
 
     @cute.kernel

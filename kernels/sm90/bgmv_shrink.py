@@ -40,7 +40,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from kernels._mma import all_loaded, is_bf16, mma_block, words, zero_unless
+from kernels._mma import all_loaded, is_bf16, mma_block, words
 from kernels.sm90._bin_scan import collect_round, keep_remainder, slab_ptr
 
 SASS_REQUIRED = ("LDG", "HMMA", "LDGSTS", "LDGDEPBAR", "VOTE")
@@ -55,7 +55,8 @@ _SMEM_LIMIT = 227 * 1024
 
 def _bin_smem_bytes(c) -> int:
     nt = 32 * c.bin_warps
-    ring = c.bin_stages * (_R_MAX + 16 * c.bin_mtiles) * c.bin_chunk_h * 2
+    # A: 64 rows x bin_chunk_h (or 32 x twice that); x rows: up to twice bin_chunk_h
+    ring = c.bin_stages * (_R_MAX + 2 * 16 * c.bin_mtiles) * c.bin_chunk_h * 2
     return ring + 4 * (nt * c.bin_scan_unroll + 16 * c.bin_mtiles) \
         + 4 * c.bin_scan_unroll * c.bin_warps + 1024
 
@@ -67,23 +68,25 @@ class BgmvShrinkSm90Config:
     num_sms, ctas_per_sm: pair-schedule grid = min(work items, num_sms * ctas_per_sm); the
         default cap is above any item count (one CTA per item).
     bin_*: the bin schedule (module docstring). bin_mtiles: 16-pair m-tiles per group;
-        bin_chunk_h: H elements per ring stage (divides seg_h).
+        bin_chunk_h: H elements per ring stage at rank 33..64, twice that at rank <= 32 (the
+        same bytes per stage).
     pdl: the pair kernel lets the next kernel in the stream launch as soon as all its CTAs
         run (griddepcontrol.launch_dependents): the expand of a plan then loads its B
         weights while this kernel runs and waits for s (see BgmvExpandSm90Config.pdl)."""
 
-    seg_h: int = 256
-    pair_warps: int = 12
+    seg_h: int = 384
+    pair_warps: int = 8
+    pair_ctas_per_sm: int = 2      # register bound: 2 x 8 warps resident per SM
     num_sms: int = 65536
     ctas_per_sm: int = 4
     bin_mode: bool = True          # False: always the pair schedule
     bin_min_pairs: int = 384       # P = T * k from which the bin schedule runs
-    bin_warps: int = 8
-    bin_mtiles: int = 2
-    bin_chunk_h: int = 128
+    bin_warps: int = 4
+    bin_mtiles: int = 1
+    bin_chunk_h: int = 64
     bin_stages: int = 4
     bin_scan_unroll: int = 8       # pair-table entries per thread per scan round
-    bin_ctas_per_sm: int = 2
+    bin_ctas_per_sm: int = 4
     pdl: bool = True
 
 
@@ -106,9 +109,8 @@ class BgmvShrinkSm90:
             return False
         if not (1 <= c.bin_warps <= 16 and 1 <= c.bin_mtiles <= 4):
             return False
-        # a stage holds whole k blocks, >= 8 vectors per row (the parity swizzle), and
-        # segments are whole stages
-        if c.bin_chunk_h < 64 or c.bin_chunk_h % _KB or c.seg_h % c.bin_chunk_h:
+        # a stage row is whole groups of 8 vectors (the parity swizzle XORs chunk bit 2)
+        if c.bin_chunk_h < 64 or c.bin_chunk_h % 64:
             return False
         if not (2 <= c.bin_stages <= 8):
             return False
@@ -141,7 +143,8 @@ class BgmvShrinkSm90:
             items = Q * (R // 8)
             grid = cutlass.max(cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm), 1)
             self.kernel(x, a, topk_ids, lora, order, s).launch(
-                grid=[grid, 1, 1], block=[32 * cfg.pair_warps, 1, 1], stream=stream)
+                grid=[grid, 1, 1], block=[32 * cfg.pair_warps, 1, 1], stream=stream,
+                min_blocks_per_mp=cfg.pair_ctas_per_sm, preferred_smem_carveout=25)
 
     # ------------------------------------------------------------------ pair schedule
     @cute.kernel
@@ -181,8 +184,6 @@ class BgmvShrinkSm90:
         part = smem.allocate_tensor(cutlass.Float32, cute.make_layout((NW, 8), stride=(8, 1)), 16)
         vec_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
                                        num_bits_per_copy=128)
-        xv = cute.zipped_divide(x, (1, _VEC))        # ((1, 8), (T, nvec))
-        av = cute.zipped_divide(a, (1, 1, 1, _VEC))  # ((1,1,1,8), (L, E, R, nvec))
 
         for w in cutlass.range(bid, items, nblk):
             qi = w // NTL
@@ -207,26 +208,34 @@ class BgmvShrinkSm90:
                 for rd in cutlass.range(rounds):
                     seg = rd * NW + warp
                     if seg < nseg:
+                        # lane (g, q) loads vector q of every k block of the segment from
+                        # one base per operand (immediate offsets: few address registers);
+                        # vectors past H stay zero
+                        h0 = seg * (SB * _KB) + _VEC * q
+                        xs = cute.make_tensor(
+                            x.iterator + cute.assume(t * x.stride[0] + h0, divby=_VEC),
+                            cute.make_layout((_VEC, SB), stride=(1, _KB)))
+                        as_ = cute.make_tensor(
+                            slab_ptr(a, lo, ex, _VEC) + cute.assume(r * a.stride[2] + h0, divby=_VEC),
+                            cute.make_layout((_VEC, SB), stride=(1, _KB)))
                         xf = cute.make_rmem_tensor((_VEC, SB), self.dtype)
                         af = cute.make_rmem_tensor((_VEC, SB), self.dtype)
-                        # unconditional loads (clamped vector index) so they all fly
-                        # together; the vectors past H become zeros below
+                        xf.fill(0.0)
+                        af.fill(0.0)
                         for bb in cutlass.range_constexpr(SB):
-                            v = cutlass.min((seg * SB + bb) * 4 + q, nvec - 1)
-                            cute.copy(vec_atom, xv[(None, (t, v))], xf[None, bb])
-                            cute.copy(vec_atom, av[(None, (lo, ex, r, v))], af[None, bb])
+                            if (seg * SB + bb) * 4 + q < nvec:
+                                cute.copy(vec_atom, xs[None, bb], xf[None, bb])
+                                cute.copy(vec_atom, as_[None, bb], af[None, bb])
                         # ptxas sinks each load down to its mma (one round trip per block)
                         # unless the first mma depends on all of them: an always-zero term
                         hold = all_loaded([xf, af], zmask)
                         acc = cute.make_rmem_tensor((4,), cutlass.Float32)
                         acc.fill(0.0)
                         for bb in cutlass.range_constexpr(SB):
-                            ok = (seg * SB + bb) * 4 + q < nvec
-                            xw = zero_unless(words(xf[None, bb]), ok)
+                            xw = words(xf[None, bb])
                             if cutlass.const_expr(bb == 0):
                                 xw[0] = xw[0] | hold
-                            mma_block(xw, xw, zero_unless(words(af[None, bb]), ok), acc,
-                                      self.bf16)
+                            mma_block(xw, xw, words(af[None, bb]), acc, self.bf16)
                         if g == 0:
                             part[warp, 2 * q] = acc[0]
                             part[warp, 2 * q + 1] = acc[1]
@@ -265,9 +274,9 @@ class BgmvShrinkSm90:
         smem = cutlass.utils.SmemAllocator()
         # flat rings, addressed through _sw (parity-swizzled 16-byte vectors)
         sA = smem.allocate_tensor(self.dtype, cute.make_layout((S * _R_MAX * HC,)), 128)
-        sX = smem.allocate_tensor(self.dtype, cute.make_layout((S * G * HC,)), 128)
+        sX = smem.allocate_tensor(self.dtype, cute.make_layout((S * G * 2 * HC,)), 128)
         slist = smem.allocate_tensor(cutlass.Int32, cute.make_layout((CAP,)), 16)
-        swc = smem.allocate_tensor(cutlass.Int32, cute.make_layout((SU * BW,)), 16)
+        swc = smem.allocate_tensor(cutlass.Int32, cute.make_layout((SU * BW + 1,)), 16)
 
         # ---- dead pairs (skipped adapter / expert): their s rows are zero
         for p in cutlass.range(bid * NT + tidx, P, nblk * NT):
@@ -282,19 +291,36 @@ class BgmvShrinkSm90:
         for w in cutlass.range(bid, items, nblk):
             l_b = w // E
             e_b = w - l_b * E
-            nl = cutlass.Int32(0)        # pairs collected, not yet processed (CTA-uniform)
-            for base in cutlass.range(0, P, NT * SU):
-                nl = collect_round(lora, topk_ids, l_b, e_b, base, P, K, nl, slist, swc,
-                                   tidx, warp, lane, NT, BW, SU)
-                # full groups now; the remainder (< G) waits for the next round
-                ng = nl // G
-                for gi in cutlass.range(ng):
-                    self.bin_group(x, a, s, sA, sX, slist, gi * G, G, l_b, e_b, K, tidx,
-                                   warp, lane)
-                nl = keep_remainder(slist, nl, ng, G, tidx)
-            if nl > 0:
-                self.bin_group(x, a, s, sA, sX, slist, 0, nl, l_b, e_b, K, tidx, warp, lane)
-            cute.arch.sync_threads()
+            if R > 32:
+                self.bin_item(x, a, s, sA, sX, slist, swc, lora, topk_ids, l_b, e_b, P, K,
+                              tidx, warp, lane, 64)
+            else:
+                self.bin_item(x, a, s, sA, sX, slist, swc, lora, topk_ids, l_b, e_b, P, K,
+                              tidx, warp, lane, 32)
+
+    @cute.jit
+    def bin_item(self, x, a, s, sA, sX, slist, swc, lora, topk_ids, l_b, e_b, P, K, tidx,
+                 warp, lane, RT: cutlass.Constexpr):
+        """Bin (l_b, e_b): collect its pairs, run them in groups. RT = ring rows (the rank
+        rounded up to 32 or 64): R <= 32 streams twice as many H columns per stage in the same
+        shared memory, so the bytes in flight per CTA do not depend on R."""
+        cfg = self.cfg
+        BW, G = cfg.bin_warps, 16 * cfg.bin_mtiles
+        SU = cfg.bin_scan_unroll
+        NT = 32 * BW
+        nl = cutlass.Int32(0)            # pairs collected, not yet processed (CTA-uniform)
+        for base in cutlass.range(0, P, NT * SU):
+            nl = collect_round(lora, topk_ids, l_b, e_b, base, P, K, nl, slist, swc,
+                               tidx, warp, lane, NT, BW, SU)
+            # full groups now; the remainder (< G) waits for the next round
+            ng = nl // G
+            for gi in cutlass.range(ng):
+                self.bin_group(x, a, s, sA, sX, slist, gi * G, G, l_b, e_b, K, tidx, warp,
+                               lane, RT)
+            nl = keep_remainder(slist, nl, ng, G, tidx)
+        if nl > 0:
+            self.bin_group(x, a, s, sA, sX, slist, 0, nl, l_b, e_b, K, tidx, warp, lane, RT)
+        cute.arch.sync_threads()
 
     @staticmethod
     def _sw(rows: int, HC: int, slot, row, ch):
@@ -308,22 +334,24 @@ class BgmvShrinkSm90:
     def bin_group(self, x: cute.Tensor, a: cute.Tensor, s: cute.Tensor, sA: cute.Tensor,
                   sX: cute.Tensor, slist: cute.Tensor, off: cutlass.Int32, n: cutlass.Int32,
                   l_b: cutlass.Int32, e_b: cutlass.Int32, K: cutlass.Int32,
-                  tidx: cutlass.Int32, warp: cutlass.Int32, lane: cutlass.Int32):
+                  tidx: cutlass.Int32, warp: cutlass.Int32, lane: cutlass.Int32,
+                  RT: cutlass.Constexpr):
         """s rows of the n (<= G) pairs slist[off .. off+n): A[l_b, e_b] and the pairs' x rows
-        stream through the ring once; the same segment chains as the pair schedule."""
+        stream through the ring once (stages of HC = bin_chunk_h * 64 / RT columns); the same
+        segment chains as the pair schedule: a chain closes (tot += cur) where a new segment
+        starts, which may be inside a stage."""
         cfg = self.cfg
         BW, MT, G = cfg.bin_warps, cfg.bin_mtiles, 16 * cfg.bin_mtiles
-        HC, S = cfg.bin_chunk_h, cfg.bin_stages
+        HC, S = cfg.bin_chunk_h * (_R_MAX // RT), cfg.bin_stages
         NT = 32 * BW
         BPS = HC // _KB                          # k blocks per stage
-        SPS = cfg.seg_h // HC                    # stages per segment
-        UM = (MT * 8 + BW - 1) // BW             # (m-tile, n-tile) units per warp, at most
+        SB = cfg.seg_h // _KB                    # k blocks per segment
+        UM = (MT * (RT // 8) + BW - 1) // BW     # (m-tile, n-tile) units per warp, at most
         cpr = HC // _VEC
         g = lane >> 2
         q = lane & 3
         H = x.shape[1]
-        R = a.shape[2]
-        NTL = R // 8
+        NTL = a.shape[2] // 8
         nvec = H // _VEC
         nb = (H + _KB - 1) // _KB
         n_st = (H + HC - 1) // HC
@@ -339,7 +367,7 @@ class BgmvShrinkSm90:
         slab = slab_ptr(a, l_b, e_b, _VEC)
         for st in cutlass.range_constexpr(S - 1):
             if st < n_st:
-                self.bin_load_stage(x, a, slab, sA, sX, R, xtok, nvec, st, st, tidx)
+                self.bin_load_stage(x, a, slab, sA, sX, xtok, nvec, st, st, tidx, RT)
             cute.arch.cp_async_commit_group()
 
         tot = cute.make_rmem_tensor((4, UM), cutlass.Float32)
@@ -351,10 +379,9 @@ class BgmvShrinkSm90:
             cute.arch.sync_threads()
             nxt = hs + (S - 1)
             if nxt < n_st:
-                self.bin_load_stage(x, a, slab, sA, sX, R, xtok, nvec, nxt, nxt % S, tidx)
+                self.bin_load_stage(x, a, slab, sA, sX, xtok, nvec, nxt, nxt % S, tidx, RT)
             cute.arch.cp_async_commit_group()
             slot = hs % S
-            seg_end = ((hs + 1) % SPS == 0) | (hs + 1 == n_st)
             for i in cutlass.range_constexpr(UM):
                 u = warp + BW * i
                 mt = u // NTL
@@ -364,16 +391,16 @@ class BgmvShrinkSm90:
                     for bb in cutlass.range_constexpr(BPS):
                         gb = hs * BPS + bb
                         if gb < nb:
+                            if (gb > 0) & (gb % SB == 0):
+                                for e4 in cutlass.range_constexpr(4):
+                                    tot[e4, i] = tot[e4, i] + cur[e4, i]
+                                    cur[e4, i] = cutlass.Float32(0.0)
                             ch = bb * 4 + q
                             ok = gb * 4 + q < nvec
                             xa = self._frag(sX, G, HC, slot, mt * 16 + g, ch, ok)
                             xb = self._frag(sX, G, HC, slot, mt * 16 + g + 8, ch, ok)
-                            wv = self._frag(sA, _R_MAX, HC, slot, nt * 8 + g, ch, ok)
+                            wv = self._frag(sA, RT, HC, slot, nt * 8 + g, ch, ok)
                             mma_block(xa, xb, wv, acc, self.bf16)
-                    if seg_end:
-                        for e4 in cutlass.range_constexpr(4):
-                            tot[e4, i] = tot[e4, i] + cur[e4, i]
-                            cur[e4, i] = cutlass.Float32(0.0)
         # every warp is out of the ring (and done with slist) before it is refilled
         cute.arch.sync_threads()
 
@@ -386,8 +413,10 @@ class BgmvShrinkSm90:
                     m = mt * 16 + g + 8 * hh
                     if m < n:
                         pm = slist[off + m]
-                        s[pm, nt * 8 + 2 * q] = tot[2 * hh, i].to(self.dtype)
-                        s[pm, nt * 8 + 2 * q + 1] = tot[2 * hh + 1, i].to(self.dtype)
+                        # the last segment's chain closes here
+                        s[pm, nt * 8 + 2 * q] = (tot[2 * hh, i] + cur[2 * hh, i]).to(self.dtype)
+                        s[pm, nt * 8 + 2 * q + 1] = \
+                            (tot[2 * hh + 1, i] + cur[2 * hh + 1, i]).to(self.dtype)
         cute.arch.sync_threads()
 
     @cute.jit
@@ -403,20 +432,23 @@ class BgmvShrinkSm90:
 
     @cute.jit
     def bin_load_stage(self, x: cute.Tensor, a: cute.Tensor, slab: cute.Pointer,
-                       sA: cute.Tensor, sX: cute.Tensor, R: cutlass.Int32,
-                       xtok: cute.Tensor, nvec: cutlass.Int32,
-                       st: cutlass.Int32, slot: cutlass.Int32, tidx: cutlass.Int32):
-        """cp.async H-chunk `st` of A[l_b, e_b, :, :] and of the group's x rows into ring slot
-        `slot`. Vectors past H or R are not copied (the fragment reads zero them)."""
+                       sA: cute.Tensor, sX: cute.Tensor, xtok: cute.Tensor,
+                       nvec: cutlass.Int32, st: cutlass.Int32, slot: cutlass.Int32,
+                       tidx: cutlass.Int32, RT: cutlass.Constexpr):
+        """cp.async H-chunk `st` (HC columns) of A[l_b, e_b] and of the group's x rows into
+        ring slot `slot`. Vectors past H or rows past R are not copied (the fragment reads
+        zero the former and never read the latter)."""
         cfg = self.cfg
-        G, HC = 16 * cfg.bin_mtiles, cfg.bin_chunk_h
+        G = 16 * cfg.bin_mtiles
+        HC = cfg.bin_chunk_h * (_R_MAX // RT)
         NT = 32 * cfg.bin_warps
         cpr = HC // _VEC
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    self.dtype, num_bits_per_copy=128)
         # A rows from the bin's slab pointer with 32-bit offsets (R * H elements)
+        R = a.shape[2]
         s_r = cutlass.Int32(a.stride[2])
-        for ps in cutlass.range_constexpr(_R_MAX * cpr // NT):
+        for ps in cutlass.range_constexpr(RT * cpr // NT):
             v = ps * NT + tidx
             row = v // cpr
             ch = v - row * cpr
@@ -424,7 +456,7 @@ class BgmvShrinkSm90:
             if (gch < nvec) & (row < R):
                 src = cute.make_tensor(slab + cute.assume(row * s_r + gch * _VEC, divby=_VEC),
                                        cute.make_layout(_VEC))
-                dst = cute.local_tile(sA, (_VEC,), (self._sw(_R_MAX, HC, slot, row, ch),))
+                dst = cute.local_tile(sA, (_VEC,), (self._sw(RT, HC, slot, row, ch),))
                 cute.copy(atom, src, dst)
         for ps in cutlass.range_constexpr((G * cpr + NT - 1) // NT):
             v = ps * NT + tidx
