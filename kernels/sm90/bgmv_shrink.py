@@ -16,15 +16,15 @@ batch-invariant. No atomics: every s element has exactly one writer.
 Pair schedule (P < bin_min_pairs: small T, latency bound). Work item = (order entry, n-tile of
 8 A rows), grid-stride over a grid of one CTA per item (capped). The CTA's pair_warps warps
 take the segments (warp w: segments w, w + pair_warps, ...): each loads its segment's x and A
-vectors straight into registers (16-byte LDGs, all in flight together; at H = 2688 / 3072
-one round of 11 / 12 segments covers the row), runs the chain with the pair's x in every tile
-row, and leaves P_s in shared memory; 8 threads then add the partials in segment order.
+vectors straight into registers (16-byte LDGs, all in flight together; with seg_h 384 and 8
+warps one round covers H <= 3072), runs the chain with the pair's x in every tile row, and
+leaves P_s in shared memory; 8 threads then add the partials in segment order.
 
 Bin schedule (P >= bin_min_pairs, large T, bandwidth bound). Work item = one (adapter,
 expert) bin, grid-stride. The CTA scans the pair table (warp ballot + popc compaction into a
-shared list in increasing p, no atomics), and per group of up to 16 * bin_mtiles pairs
-streams A[l, e] and the group's x rows through a bin_stages-deep 16-byte cp.async ring in
-chunks of bin_chunk_h columns (rows XOR-swizzled by parity: conflict-free fragment reads).
+shared list, no atomics), and per group of up to 16 * bin_mtiles pairs streams A[l, e] and
+the group's x rows through a bin_stages-deep 16-byte cp.async ring in chunks of bin_chunk_h
+columns (twice that at rank <= 32; rows XOR-swizzled by parity: conflict-free fragment reads).
 Warp w computes the (m-tile, n-tile) units w, w + bin_warps, ...: the A slab is read from
 DRAM once per group and every A element feeds up to 16 pairs per instruction. Dead pairs
 (skipped adapter / expert) are zeroed by a grid-stride pass; every p in [0, P) is written
