@@ -98,6 +98,8 @@ class BgmvExpandSm90Config:
     bin_stages: int = 4            # cp.async ring depth (column chunks of the bin's B slab)
     bin_scan_unroll: int = 4       # pair-table entries per thread per scan round
     bin_ctas_per_sm: int = 2
+    bin_prefetch_min: int = 2      # pairs per bin (P / (L * E)) from which a bin's first B
+                                   # stages are issued before its pair scan (0: never)
     fin_threads: int = 128         # finalize pass: 4 columns per thread
     fin_ctas_per_sm: int = 8
     pdl: bool = True
@@ -337,32 +339,62 @@ class BgmvExpandSm90:
                     for n in cutlass.range(lane, N, 32):
                         out[p, n] = cutlass.Float32(0.0)
 
+        # with few empty bins, a bin's first B stages load while it scans (the loads of an
+        # empty bin are wasted, hence the threshold)
+        pre = cutlass.Boolean(False)
+        if cutlass.const_expr(cfg.bin_prefetch_min > 0):
+            pre = P >= cfg.bin_prefetch_min * L * E
         for w in cutlass.range(bid, items, nblk):
             l_b = w // E
             e_b = w - l_b * E
-            nl = cutlass.Int32(0)
-            for base in cutlass.range(0, P, NT * SU):
-                nl = collect_round(lora, topk_ids, l_b, e_b, base, P, K, nl, slist, swc,
-                                   tidx, warp, lane, NT, NWP, SU)
-                # full groups now; the remainder (< G) waits for the next round
-                ng = nl // G
-                for gi in cutlass.range(ng):
-                    self.bin_group_r(s, b, out, sB, slist, gi * G, G, l_b, e_b, N, tidx, warp,
-                                     lane)
-                nl = keep_remainder(slist, nl, ng, G, tidx)
-            if nl > 0:
-                self.bin_group_r(s, b, out, sB, slist, 0, nl, l_b, e_b, N, tidx, warp, lane)
-            cute.arch.sync_threads()
+            # specialized on the number of k blocks of R: R <= 32 holds one block of s
+            # fragments and streams twice as many columns per stage (rows of 32 elements) in
+            # the same shared memory, so the bytes in flight per CTA do not depend on R
+            if b.shape[3] > _KB:
+                self.bin_item(s, b, out, sB, slist, swc, lora, topk_ids, l_b, e_b, N, P, K,
+                              tidx, warp, lane, pre, 2)
+            else:
+                self.bin_item(s, b, out, sB, slist, swc, lora, topk_ids, l_b, e_b, N, P, K,
+                              tidx, warp, lane, pre, 1)
 
     @cute.jit
-    def bin_group_r(self, s, b, out, sB, slist, off, n, l_b, e_b, N, tidx, warp, lane):
-        """bin_group specialized on the number of k blocks of R: R <= 32 holds one block of s
-        fragments and streams twice as many columns per stage (rows of 32 elements) in the
-        same shared memory, so the bytes in flight per CTA do not depend on R."""
-        if b.shape[3] > _KB:
-            self.bin_group(s, b, out, sB, slist, off, n, l_b, e_b, N, tidx, warp, lane, 2)
-        else:
-            self.bin_group(s, b, out, sB, slist, off, n, l_b, e_b, N, tidx, warp, lane, 1)
+    def bin_item(self, s, b, out, sB, slist, swc, lora, topk_ids, l_b, e_b, N, P, K, tidx,
+                 warp, lane, pre, NB: cutlass.Constexpr):
+        """Bin (l_b, e_b): collect its pairs, run them in groups. pre: the first group's B
+        stages are issued before the scan (one commit group per stage, as the group's own
+        prologue would)."""
+        cfg = self.cfg
+        NT, S, SU = cfg.bin_threads, cfg.bin_stages, cfg.bin_scan_unroll
+        G = 16 * cfg.bin_mtiles
+        NWP = NT // 32
+        CN = cfg.bin_cols * (_MAX_B // NB)
+        nch = (N + CN - 1) // CN
+        nrv = b.shape[3] // _VEC
+        if pre:
+            slab = slab_ptr(b, l_b, e_b, _VEC)
+            for st in cutlass.range_constexpr(S - 1):
+                if st < nch:
+                    self.bin_load_stage(b, slab, sB, N, nrv, st, st, tidx, NB)
+                cute.arch.cp_async_commit_group()
+        first = pre                      # the next group finds its B stages issued
+        nl = cutlass.Int32(0)
+        for base in cutlass.range(0, P, NT * SU):
+            nl = collect_round(lora, topk_ids, l_b, e_b, base, P, K, nl, slist, swc,
+                               tidx, warp, lane, NT, NWP, SU)
+            # full groups now; the remainder (< G) waits for the next round
+            ng = nl // G
+            for gi in cutlass.range(ng):
+                self.bin_group(s, b, out, sB, slist, gi * G, G, l_b, e_b, N, tidx, warp, lane,
+                               first, NB)
+                first = cutlass.Boolean(False)
+            nl = keep_remainder(slist, nl, ng, G, tidx)
+        if nl > 0:
+            self.bin_group(s, b, out, sB, slist, 0, nl, l_b, e_b, N, tidx, warp, lane, first, NB)
+            first = cutlass.Boolean(False)
+        if first:
+            # an empty bin: its prefetched stages land before the ring is reused
+            cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
 
     @staticmethod
     def _sw(slot, row, ch, CN: int, NB: int):
@@ -379,7 +411,7 @@ class BgmvExpandSm90:
                   slist: cute.Tensor, off: cutlass.Int32, n: cutlass.Int32,
                   l_b: cutlass.Int32, e_b: cutlass.Int32, N: cutlass.Int32,
                   tidx: cutlass.Int32, warp: cutlass.Int32, lane: cutlass.Int32,
-                  NB: cutlass.Constexpr):
+                  pre: cutlass.Boolean, NB: cutlass.Constexpr):
         """The n (<= G) pairs slist[off .. off+n) of bin (l_b, e_b): their s rows become mma
         fragments in registers, then the bin's B slab streams through the ring in chunks of
         CN columns (rows of 32 * NB elements); warp w runs n-tiles w, w + warps, ... of each
@@ -400,10 +432,11 @@ class BgmvExpandSm90:
                                       num_bits_per_copy=64)
         sv = cute.zipped_divide(s, (1, _VEC))    # ((1, 8), (P, nrv))
         slab = slab_ptr(b, l_b, e_b, _VEC)
-        for st in cutlass.range_constexpr(S - 1):
-            if st < nch:
-                self.bin_load_stage(b, slab, sB, N, nrv, st, st, tidx, NB)
-            cute.arch.cp_async_commit_group()
+        if not pre:    # (else issued before the scan)
+            for st in cutlass.range_constexpr(S - 1):
+                if st < nch:
+                    self.bin_load_stage(b, slab, sB, N, nrv, st, st, tidx, NB)
+                cute.arch.cp_async_commit_group()
 
         # the group's s rows as A fragments (rows g / g + 8 of each m-tile), zeros past R
         # and for rows past the group; their pair ids for the stores

@@ -87,6 +87,8 @@ class BgmvShrinkSm90Config:
     bin_stages: int = 4
     bin_scan_unroll: int = 8       # pair-table entries per thread per scan round
     bin_ctas_per_sm: int = 4
+    bin_prefetch_min: int = 2      # pairs per bin (P / (L * E)) from which a bin's first A
+                                   # stages are issued before its pair scan (0: never)
     pdl: bool = True
 
 
@@ -288,26 +290,43 @@ class BgmvShrinkSm90:
                 for r in cutlass.range(R):
                     s[p, r] = self.dtype(0.0)
 
+        # with few empty bins, a bin's first weight stages load while it scans (the loads
+        # of an empty bin are wasted, hence the threshold)
+        pre = cutlass.Boolean(False)
+        if cutlass.const_expr(cfg.bin_prefetch_min > 0):
+            pre = P >= cfg.bin_prefetch_min * L * E
         for w in cutlass.range(bid, items, nblk):
             l_b = w // E
             e_b = w - l_b * E
             if R > 32:
                 self.bin_item(x, a, s, sA, sX, slist, swc, lora, topk_ids, l_b, e_b, P, K,
-                              tidx, warp, lane, 64)
+                              tidx, warp, lane, pre, 64)
             else:
                 self.bin_item(x, a, s, sA, sX, slist, swc, lora, topk_ids, l_b, e_b, P, K,
-                              tidx, warp, lane, 32)
+                              tidx, warp, lane, pre, 32)
 
     @cute.jit
     def bin_item(self, x, a, s, sA, sX, slist, swc, lora, topk_ids, l_b, e_b, P, K, tidx,
-                 warp, lane, RT: cutlass.Constexpr):
+                 warp, lane, pre, RT: cutlass.Constexpr):
         """Bin (l_b, e_b): collect its pairs, run them in groups. RT = ring rows (the rank
         rounded up to 32 or 64): R <= 32 streams twice as many H columns per stage in the same
-        shared memory, so the bytes in flight per CTA do not depend on R."""
+        shared memory, so the bytes in flight per CTA do not depend on R. pre: the first
+        group's A stages are issued before the scan (one commit group per stage, as the
+        group's own prologue would)."""
         cfg = self.cfg
-        BW, G = cfg.bin_warps, 16 * cfg.bin_mtiles
+        BW, G, S = cfg.bin_warps, 16 * cfg.bin_mtiles, cfg.bin_stages
         SU = cfg.bin_scan_unroll
         NT = 32 * BW
+        HC = cfg.bin_chunk_h * (_R_MAX // RT)
+        H = x.shape[1]
+        n_st = (H + HC - 1) // HC
+        if pre:
+            slab = slab_ptr(a, l_b, e_b, _VEC)
+            for st in cutlass.range_constexpr(S - 1):
+                if st < n_st:
+                    self.bin_load_stage(x, a, slab, sA, sX, None, H // _VEC, st, st, tidx, RT, 1)
+                cute.arch.cp_async_commit_group()
+        first = pre                      # the next group finds its A stages issued
         nl = cutlass.Int32(0)            # pairs collected, not yet processed (CTA-uniform)
         for base in cutlass.range(0, P, NT * SU):
             nl = collect_round(lora, topk_ids, l_b, e_b, base, P, K, nl, slist, swc,
@@ -316,10 +335,16 @@ class BgmvShrinkSm90:
             ng = nl // G
             for gi in cutlass.range(ng):
                 self.bin_group(x, a, s, sA, sX, slist, gi * G, G, l_b, e_b, K, tidx, warp,
-                               lane, RT)
+                               lane, first, RT)
+                first = cutlass.Boolean(False)
             nl = keep_remainder(slist, nl, ng, G, tidx)
         if nl > 0:
-            self.bin_group(x, a, s, sA, sX, slist, 0, nl, l_b, e_b, K, tidx, warp, lane, RT)
+            self.bin_group(x, a, s, sA, sX, slist, 0, nl, l_b, e_b, K, tidx, warp, lane, first,
+                           RT)
+            first = cutlass.Boolean(False)
+        if first:
+            # an empty bin: its prefetched stages land before the ring is reused
+            cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
     @staticmethod
@@ -335,7 +360,7 @@ class BgmvShrinkSm90:
                   sX: cute.Tensor, slist: cute.Tensor, off: cutlass.Int32, n: cutlass.Int32,
                   l_b: cutlass.Int32, e_b: cutlass.Int32, K: cutlass.Int32,
                   tidx: cutlass.Int32, warp: cutlass.Int32, lane: cutlass.Int32,
-                  RT: cutlass.Constexpr):
+                  pre: cutlass.Boolean, RT: cutlass.Constexpr):
         """s rows of the n (<= G) pairs slist[off .. off+n): A[l_b, e_b] and the pairs' x rows
         stream through the ring once (stages of HC = bin_chunk_h * 64 / RT columns); the same
         segment chains as the pair schedule: a chain closes (tot += cur) where a new segment
@@ -367,7 +392,10 @@ class BgmvShrinkSm90:
         slab = slab_ptr(a, l_b, e_b, _VEC)
         for st in cutlass.range_constexpr(S - 1):
             if st < n_st:
-                self.bin_load_stage(x, a, slab, sA, sX, xtok, nvec, st, st, tidx, RT)
+                if pre:        # A issued before the scan: the x rows only
+                    self.bin_load_stage(x, a, slab, sA, sX, xtok, nvec, st, st, tidx, RT, 2)
+                else:
+                    self.bin_load_stage(x, a, slab, sA, sX, xtok, nvec, st, st, tidx, RT, 0)
             cute.arch.cp_async_commit_group()
 
         tot = cute.make_rmem_tensor((4, UM), cutlass.Float32)
@@ -379,7 +407,7 @@ class BgmvShrinkSm90:
             cute.arch.sync_threads()
             nxt = hs + (S - 1)
             if nxt < n_st:
-                self.bin_load_stage(x, a, slab, sA, sX, xtok, nvec, nxt, nxt % S, tidx, RT)
+                self.bin_load_stage(x, a, slab, sA, sX, xtok, nvec, nxt, nxt % S, tidx, RT, 0)
             cute.arch.cp_async_commit_group()
             slot = hs % S
             for i in cutlass.range_constexpr(UM):
@@ -434,10 +462,10 @@ class BgmvShrinkSm90:
     def bin_load_stage(self, x: cute.Tensor, a: cute.Tensor, slab: cute.Pointer,
                        sA: cute.Tensor, sX: cute.Tensor, xtok: cute.Tensor,
                        nvec: cutlass.Int32, st: cutlass.Int32, slot: cutlass.Int32,
-                       tidx: cutlass.Int32, RT: cutlass.Constexpr):
-        """cp.async H-chunk `st` (HC columns) of A[l_b, e_b] and of the group's x rows into
-        ring slot `slot`. Vectors past H or rows past R are not copied (the fragment reads
-        zero the former and never read the latter)."""
+                       tidx: cutlass.Int32, RT: cutlass.Constexpr, what: cutlass.Constexpr):
+        """cp.async H-chunk `st` (HC columns) of A[l_b, e_b] (what != 2) and of the group's x
+        rows (what != 1) into ring slot `slot`. Vectors past H or rows past R are not copied
+        (the fragment reads zero the former and never read the latter)."""
         cfg = self.cfg
         G = 16 * cfg.bin_mtiles
         HC = cfg.bin_chunk_h * (_R_MAX // RT)
@@ -448,7 +476,7 @@ class BgmvShrinkSm90:
         # A rows from the bin's slab pointer with 32-bit offsets (R * H elements)
         R = a.shape[2]
         s_r = cutlass.Int32(a.stride[2])
-        for ps in cutlass.range_constexpr(RT * cpr // NT):
+        for ps in cutlass.range_constexpr(RT * cpr // NT if what != 2 else 0):
             v = ps * NT + tidx
             row = v // cpr
             ch = v - row * cpr
@@ -458,7 +486,7 @@ class BgmvShrinkSm90:
                                        cute.make_layout(_VEC))
                 dst = cute.local_tile(sA, (_VEC,), (self._sw(RT, HC, slot, row, ch),))
                 cute.copy(atom, src, dst)
-        for ps in cutlass.range_constexpr((G * cpr + NT - 1) // NT):
+        for ps in cutlass.range_constexpr((G * cpr + NT - 1) // NT if what != 1 else 0):
             v = ps * NT + tidx
             row = v // cpr
             ch = v - row * cpr
