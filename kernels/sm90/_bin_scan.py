@@ -2,12 +2,19 @@
 of one (adapter, expert) bin from the pair table, without atomics, and the base pointer of a
 bin's weight slab.
 
-Both kernels call `collect_round` once per round of NT * SU pairs and then `keep_remainder`
-after processing the full groups."""
+Both kernels collect a bin's pairs in token rounds (`collect_tokens`: 4 * NT tokens, all their
+slots) and fall back to pair rounds (`collect_round`: NT * SU pairs) for a round whose hits would
+overflow the list; after each round they process the full groups and `keep_remainder`."""
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+
+
+def _bit(b: int) -> int:
+    """1 << b as an int32 constant (bit 31 is the sign bit)."""
+    v = 1 << b
+    return v - (1 << 32) if v >= (1 << 31) else v
 
 
 @cute.jit
@@ -34,7 +41,7 @@ def collect_round(lora: cute.Tensor, topk_ids: cute.Tensor, l_b: cutlass.Int32,
         lo = lora[tc]
         ex = topk_ids[tc, j]
         hit = (t < T) & (lo == l_b) & (ex == e_b)
-        bits = bits | cutlass.Int32(cutlass.select_(hit, 1 << u, 0))
+        bits = bits | cutlass.Int32(cutlass.select_(hit, _bit(u), 0))
         t = t + ts
         j = j + js
         wrap = j >= K
@@ -80,6 +87,55 @@ def collect_round(lora: cute.Tensor, topk_ids: cute.Tensor, l_b: cutlass.Int32,
     run = nl + swc[NV]
     cute.arch.sync_threads()
     return run
+
+
+@cute.jit
+def collect_tokens(lora: cute.Tensor, topk_ids: cute.Tensor, l_b: cutlass.Int32,
+                   e_b: cutlass.Int32, tbase: cutlass.Int32, T: cutlass.Int32,
+                   K: cutlass.Int32, nl: cutlass.Int32, slist: cute.Tensor, swc: cute.Tensor,
+                   tidx: cutlass.Int32, warp: cutlass.Int32, lane: cutlass.Int32,
+                   NT: cutlass.Constexpr, NW: cutlass.Constexpr, CAP: cutlass.Constexpr):
+    """Token round: append to slist[nl:] the pairs t * k + j of bin (l_b, e_b) for the tokens
+    t in [tbase, tbase + 4 * NT) (thread tidx: t = tbase + u * NT + tidx, u < 4; a token's
+    expert ids are loaded only when its adapter is l_b). A round covers k times the pairs of
+    a pair round (collect_round) with the same three CTA barriers. Returns (new length,
+    fits): when the round's hits do not fit in the list (CAP entries; with CAP >= 4 * NT + G
+    only possible with repeated expert ids in a token) nothing is appended and fits is False,
+    and the caller collects the round's pairs with pair rounds instead. Ends with a CTA
+    barrier."""
+    hm = cutlass.Int32(0)            # bit 8u + j: pair (token u, slot j) hits
+    for u in cutlass.range_constexpr(4):
+        t = tbase + u * NT + tidx
+        tc = cutlass.min(t, T - 1)
+        if (t < T) & (lora[tc] == l_b):
+            for j in cutlass.range_constexpr(8):
+                if j < K:
+                    if topk_ids[tc, j] == e_b:
+                        hm = hm | _bit(8 * u + j)
+    cnt = cute.arch.popc(hm)
+    x = cnt                          # inclusive prefix of the counts over the warp
+    for d in cutlass.range_constexpr(5):
+        y = cute.arch.shuffle_sync_up(x, offset=1 << d)
+        if lane >= (1 << d):
+            x = x + y
+    if lane == 31:
+        swc[warp] = x
+    cute.arch.sync_threads()
+    woff = cutlass.Int32(0)
+    tot = cutlass.Int32(0)
+    for w in cutlass.range_constexpr(NW):
+        c = swc[w]
+        woff = woff + cutlass.Int32(cutlass.select_(w < warp, c, 0))
+        tot = tot + c
+    fits = nl + tot <= CAP
+    if fits:
+        pos = nl + woff + x - cnt
+        for b in cutlass.range_constexpr(32):
+            if ((hm >> b) & 1) != 0:
+                slist[pos] = (tbase + (b // 8) * NT + tidx) * K + (b % 8)
+                pos = pos + 1
+    cute.arch.sync_threads()
+    return nl + cutlass.Int32(cutlass.select_(fits, tot, 0)), fits
 
 
 @cute.jit

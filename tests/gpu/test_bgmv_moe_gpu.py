@@ -165,6 +165,25 @@ def test_batch_invariance(design, finalize, h, n, r):
             assert torch.equal(sub.out.view(len(sel), k, -1), full.out.view(t, k, -1)[sel])
 
 
+def test_one_bin_with_repeated_expert_ids(design):
+    """Every token sends all 8 slots to expert 0 under adapter 0: one bin holds all T * k
+    pairs, more per token round than the sm90 bin list holds, so the bin kernels collect
+    those rounds pair by pair instead. Against the reference, and a token alone (pair
+    schedule) against the same token in the batch, bit for bit."""
+    t, k = 1500, 8
+    x, a, b, ids, w, lora = make(t, k, 1024, 1032, 32, 2, 4, torch.bfloat16, seed=21,
+                                 none_frac=0.0)
+    ids.zero_()
+    lora.zero_()
+    full = run_plan(x, a, b, ids, w, lora)
+    check_shrink(full.shrink_out, x, a, ids, lora)
+    check_expand(full.out, full.shrink_out, b, ids, lora, w)
+    one = run_plan(x[7:8].contiguous(), a, b, ids[7:8].contiguous(), w[7:8].contiguous(),
+                   lora[7:8].contiguous())
+    assert torch.equal(one.shrink_out, full.shrink_out[7 * k:8 * k])
+    assert torch.equal(one.out, full.out[7:8])
+
+
 @pytest.mark.parametrize("t", [32, 700])
 def test_graph_replay_with_new_contents(design, t, warm_graph_pool):
     k, h, n, r, num_l, num_e = 6, 2688, 2688, 32, 8, 128
