@@ -21,12 +21,13 @@ pair's s in every tile row; lane (g, q) keeps n-tile g, i.e. columns 8g + 2q, 8g
   thread per column sums them in the fixed order j = 0, 1, ..., k-1 and writes y.
 
 Bin schedule (P >= bin_min_pairs: large T, bandwidth). Work item = one (adapter, expert) bin
-(grid stride over L * E). The CTA scans the pair table (ballot + popc compaction into a shared
-list, no atomics); per group of up to 16 * bin_mtiles pairs it loads their s rows as mma
-fragments (registers) and streams the bin's B slab through a bin_stages-deep 16-byte
-cp.async ring in chunks of bin_cols columns (twice that at rank <= 32); each warp
-takes n-tiles of the chunk and runs the same chain for every m-tile of pairs, so every b
-element feeds up to 16 pairs per instruction. finalize=False writes y[p, cols] (a
+(grid stride over L * E). The CTA collects the bin's pairs from the routing table into a
+shared list (kernels/sm90/_bin_scan.py: prefix sums, no atomics; a first few B stages are
+already loading when P >= bin_prefetch_min * L * E); per group of up to 16 * bin_mtiles
+pairs it loads their s rows as mma fragments (registers) and streams the bin's B slab
+through a bin_stages-deep 16-byte cp.async ring in chunks of bin_cols columns (twice that at
+rank <= 32); each warp takes n-tiles of the chunk and runs the same chain for every m-tile of
+pairs, so every b element feeds up to 16 pairs per instruction. finalize=False writes y[p, cols] (a
 grid-stride pass zeroes the rows of dead pairs); finalize=True writes ws[p, cols] and a
 second launch (fin_kernel) computes y[t, n] = (out = out + w[t, j] * ws[t*k+j, n] for live j
 in order), the pair schedule's expression: bit-identical across schedules.

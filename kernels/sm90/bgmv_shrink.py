@@ -8,7 +8,8 @@ the dot products run on the tensor cores (mma.sync m16n8k16, fp32 accumulation),
 M rows, A rows (the rank) as the N columns in tiles of 8, H as k in 32-element blocks. H is cut
 into segments of seg_h elements; a segment's partial P_s is the mma chain over its blocks
 (block order, two steps per block) starting from 0, and s = cvt(((0 + P_0) + P_1) + ...),
-segments in order. Vectors past H are zeros; blocks past H are not issued. Neither T, k,
+segments in order. Vectors past H are zeros (whole blocks past H add exact zeros: the pair
+schedule issues them, the bin schedule skips them, same bits). Neither T, k,
 `order`, the grid nor which tile row a pair occupies changes that sequence (rows of an mma
 are independent), so both schedules below give the same bits: deterministic and
 batch-invariant. No atomics: every s element has exactly one writer.
@@ -21,8 +22,10 @@ warps one round covers H <= 3072), runs the chain with the pair's x in every til
 leaves P_s in shared memory; 8 threads then add the partials in segment order.
 
 Bin schedule (P >= bin_min_pairs, large T, bandwidth bound). Work item = one (adapter,
-expert) bin, grid-stride. The CTA scans the pair table (warp ballot + popc compaction into a
-shared list, no atomics), and per group of up to 16 * bin_mtiles pairs streams A[l, e] and
+expert) bin, grid-stride. The CTA collects the bin's pairs from the routing table into a
+shared list (kernels/sm90/_bin_scan.py: prefix sums, no atomics; a first few A stages are
+already loading when P >= bin_prefetch_min * L * E), and per group of up to 16 * bin_mtiles
+pairs streams A[l, e] and
 the group's x rows through a bin_stages-deep 16-byte cp.async ring in chunks of bin_chunk_h
 columns (twice that at rank <= 32; rows XOR-swizzled by parity: conflict-free fragment reads).
 Warp w computes the (m-tile, n-tile) units w, w + bin_warps, ...: the A slab is read from
