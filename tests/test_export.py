@@ -28,10 +28,9 @@ OP_FINGERPRINTS = {
     ("attn_res", "ada"): ({"LDGSTS", "LDGDEPBAR"}, {"UTMALDG", "UBLKCP", "SYNCS"}),
     ("attn_res", "sm100"): ({"STTM", "LDTM", "UBLKCP", "SYNCS"}, {"LDGSTS"}),
     # sm90 BGMV: tensor-core dots (mma.sync: M = a few pairs, too skinny for WGMMA) in both
-    # schedules, so the pair and bin schedules share one arithmetic; the bin scan's warp
-    # prefix sums (SHFL) instead of atomics
-    ("bgmv_shrink", "sm90"): ({"LDGSTS", "LDGDEPBAR", "SHFL", "HMMA"}, ATOMICS),
-    ("bgmv_expand", "sm90"): ({"LDGSTS", "LDGDEPBAR", "SHFL", "HMMA"}, ATOMICS),
+    # schedules, so the pair and bin schedules share one arithmetic
+    ("bgmv_shrink", "sm90"): ({"LDGSTS", "LDGDEPBAR", "VOTE", "HMMA"}, ATOMICS),
+    ("bgmv_expand", "sm90"): ({"LDGSTS", "LDGDEPBAR", "VOTE", "HMMA"}, ATOMICS),
     ("bgmv_shrink", "ada"): ({"LDGSTS", "LDGDEPBAR", "SHFL"}, ATOMICS | {"UTMALDG", "HGMMA"}),
     ("bgmv_expand", "ada"): ({"LDGSTS", "LDGDEPBAR"}, ATOMICS | {"UTMALDG", "HGMMA"}),
     ("bgmv_shrink", "sm100"): ({"UBLKCP", "SYNCS", "VOTE"}, ATOMICS | {"LDGSTS"}),

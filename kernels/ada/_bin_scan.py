@@ -1,9 +1,68 @@
-"""Device code shared by the Ada-design BGMV kernels: the shrink's per-stage dot products (pair
-and bin schedules: one expression, the same bits). The bin scan is kernels/_bin_scan.py."""
+"""Device code shared by the Ada-design BGMV kernels: the no-atomics scan that collects an
+(adapter, expert) bin's pairs in increasing p (shrink and expand bin schedules) and the
+shrink's per-stage dot products (pair and bin schedules: one expression, the same bits)."""
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+
+
+@cute.jit
+def scan_round(topk_ids: cute.Tensor, lora: cute.Tensor, sList: cute.Tensor, sW: cute.Tensor,
+                l: cutlass.Int32, e: cutlass.Int32, tpos: cutlass.Int32, lo: cutlass.Int32,
+                base: cutlass.Int32, room: cutlass.Int32, T: cutlass.Int32, K: cutlass.Int32,
+                tidx: cutlass.Int32, NT: cutlass.Constexpr, NW: cutlass.Constexpr,
+                U: cutlass.Constexpr) -> cutlass.Int32:
+    """One scan round over tokens tpos .. tpos + NT*U - 1 (thread i: U consecutive tokens).
+    The bin's pairs get ranks 0, 1, ... in increasing p; those with rank in [lo, lo + room)
+    are written to sList[base + rank - lo]. Returns the round's total (block uniform).
+    Caller: sync_threads before (sW reuse); the trailing sync here publishes sList."""
+    warp = tidx // 32
+    lane = tidx % 32
+    t0 = tpos + tidx * U
+    lv = cute.make_rmem_tensor((U,), cutlass.Int32)
+    for u in cutlass.range_constexpr(U):
+        lv[u] = lora[cutlass.min(t0 + u, T - 1)]
+    msk = cute.make_rmem_tensor((U,), cutlass.Int32)
+    c = cutlass.Int32(0)
+    for u in cutlass.range_constexpr(U):
+        m = cutlass.Int32(0)
+        if t0 + u < T and lv[u] == l:
+            ev = cute.make_rmem_tensor((8,), cutlass.Int32)
+            for j in cutlass.range_constexpr(8):
+                ev[j] = topk_ids[t0 + u, cutlass.min(cutlass.Int32(j), K - 1)]
+            for j in cutlass.range_constexpr(8):
+                if j < K and ev[j] == e:
+                    m = m | cutlass.Int32(1 << j)
+        msk[u] = m
+        c = c + cute.arch.popc(m)
+    v = c
+    for d in cutlass.range_constexpr(5):
+        nb = cute.arch.shuffle_sync_up(v, 1 << d)
+        if lane >= (1 << d):
+            v = v + nb
+    if lane == 31:
+        sW[warp] = v
+    cute.arch.sync_threads()
+    wbase = cutlass.Int32(0)
+    total = cutlass.Int32(0)
+    for w in cutlass.range_constexpr(NW):
+        tw = sW[w]
+        if w < warp:
+            wbase = wbase + tw
+        total = total + tw
+    r = wbase + v - c
+    if c > 0:
+        for u in cutlass.range_constexpr(U):
+            m = msk[u]
+            if m != 0:
+                for j in cutlass.range_constexpr(8):
+                    if (m >> j) & 1:
+                        if r >= lo and r < lo + room:
+                            sList[base + r - lo] = (t0 + u) * K + j
+                        r = r + 1
+    cute.arch.sync_threads()
+    return total
 
 
 @cute.jit

@@ -35,7 +35,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from kernels._bin_scan import scan_round
+from kernels.ada._bin_scan import scan_round
 
 SASS_REQUIRED = ("LDGSTS", "LDGDEPBAR", "DEPBAR")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "UTMALDG", "HGMMA")

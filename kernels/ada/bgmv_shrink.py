@@ -35,8 +35,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from kernels._bin_scan import scan_round
-from kernels.ada._bin_scan import stage_dots
+from kernels.ada._bin_scan import scan_round, stage_dots
 
 SASS_REQUIRED = ("LDGSTS", "LDGDEPBAR", "DEPBAR", "SHFL")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "UTMALDG", "HGMMA")

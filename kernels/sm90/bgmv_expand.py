@@ -43,10 +43,9 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from kernels._mma import all_loaded, is_bf16, mma_block, words, zero_unless
-from kernels._bin_scan import scan_step
-from kernels.sm90._bin_scan import keep_remainder, slab_ptr
+from kernels.sm90._bin_scan import collect_round, collect_tokens, keep_remainder, slab_ptr
 
-SASS_REQUIRED = ("LDG", "STG", "HMMA", "LDGSTS", "LDGDEPBAR", "SHFL")
+SASS_REQUIRED = ("LDG", "STG", "HMMA", "LDGSTS", "LDGDEPBAR", "VOTE")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
 
 _DTYPES = (cutlass.Float16, cutlass.BFloat16)
@@ -68,8 +67,8 @@ def _pair_at(y, row, col):
 
 def _bin_smem_bytes(c) -> int:
     ring = c.bin_stages * c.bin_cols * _R_MAX * 2
-    return ring + 4 * (c.bin_threads * c.bin_scan_tokens + 16 * c.bin_mtiles) \
-        + 4 * (c.bin_threads // 32) + 1024
+    return ring + 4 * (c.bin_threads * c.bin_scan_unroll + 16 * c.bin_mtiles) \
+        + 4 * c.bin_scan_unroll * (c.bin_threads // 32) + 1024
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ class BgmvExpandSm90Config:
     bin_cols: int = 128            # output columns per ring stage (R > 32; twice at R <= 32)
     bin_mtiles: int = 1            # 16-pair m-tiles per group
     bin_stages: int = 4            # cp.async ring depth (column chunks of the bin's B slab)
-    bin_scan_tokens: int = 4       # tokens per thread per scan round
+    bin_scan_unroll: int = 4       # pair-table entries per thread per scan round
     bin_ctas_per_sm: int = 2
     bin_prefetch_min: int = 2      # pairs per bin (P / (L * E)) from which a bin's first B
                                    # stages are issued before its pair scan (0: never)
@@ -134,7 +133,7 @@ class BgmvExpandSm90:
             return False
         if not (1 <= c.bin_mtiles <= 4 and 2 <= c.bin_stages <= 8):
             return False
-        if not (1 <= c.bin_scan_tokens <= 32 and c.bin_min_pairs >= 1 and c.bin_ctas_per_sm >= 1):
+        if not (1 <= c.bin_scan_unroll <= 32 and c.bin_min_pairs >= 1 and c.bin_ctas_per_sm >= 1):
             return False
         if not (32 <= c.fin_threads <= 1024 and c.fin_threads % 32 == 0 and c.fin_ctas_per_sm >= 1):
             return False
@@ -305,7 +304,7 @@ class BgmvExpandSm90:
         """out[p, n] = d[p, n] for the live pairs (out = ws when finalize, else y; y rows of
         dead pairs are zeroed when not finalize). Work item = one (adapter, expert) bin."""
         cfg = self.cfg
-        NT, S, SU = cfg.bin_threads, cfg.bin_stages, cfg.bin_scan_tokens
+        NT, S, SU = cfg.bin_threads, cfg.bin_stages, cfg.bin_scan_unroll
         G = 16 * cfg.bin_mtiles
         CN = cfg.bin_cols
         NWP = NT // 32
@@ -327,7 +326,7 @@ class BgmvExpandSm90:
         smem = cutlass.utils.SmemAllocator()
         sB = smem.allocate_tensor(self.dtype, cute.make_layout((S * CN * _R_MAX,)), 128)
         slist = smem.allocate_tensor(cutlass.Int32, cute.make_layout((CAP,)), 16)
-        swc = smem.allocate_tensor(cutlass.Int32, cute.make_layout((NWP,)), 16)
+        swc = smem.allocate_tensor(cutlass.Int32, cute.make_layout((SU * NWP + 1,)), 16)
 
         if cutlass.const_expr(not self.finalize):
             # dead pairs: their y rows are zero (one warp per pair)
@@ -366,7 +365,7 @@ class BgmvExpandSm90:
         stages are issued before the scan (one commit group per stage, as the group's own
         prologue would)."""
         cfg = self.cfg
-        NT, S, SU = cfg.bin_threads, cfg.bin_stages, cfg.bin_scan_tokens
+        NT, S, SU = cfg.bin_threads, cfg.bin_stages, cfg.bin_scan_unroll
         G = 16 * cfg.bin_mtiles
         NWP = NT // 32
         CN = cfg.bin_cols * (_MAX_B // NB)
@@ -382,13 +381,29 @@ class BgmvExpandSm90:
         nl = cutlass.Int32(0)
         T = P // K
         CAP = NT * SU + G
-        # rounds of NT * SU tokens; a round whose pairs do not all fit in the list is scanned
-        # again from rank lo on (after the full groups ran)
-        tpos = cutlass.Int32(0)
-        lo = cutlass.Int32(0)
-        while tpos < T:
-            tpos, lo, nl = scan_step(topk_ids, lora, slist, swc, l_b, e_b, tpos, lo, nl, CAP, T,
-                                     K, tidx, NT, NWP, SU)
+        # token rounds; a round whose hits would overflow the list is collected again in
+        # pair rounds (pm). One call site of bin_group: it is inlined, and registers count.
+        tb = cutlass.Int32(0)
+        base = cutlass.Int32(0)
+        pend = cutlass.Int32(0)
+        pm = cutlass.Boolean(False)
+        while tb < T:
+            if pm:
+                nl = collect_round(lora, topk_ids, l_b, e_b, base, pend, K, nl, slist, swc,
+                                   tidx, warp, lane, NT, NWP, SU)
+                base = base + NT * SU
+                if base >= pend:
+                    pm = cutlass.Boolean(False)
+                    tb = tb + 4 * NT
+            else:
+                nl, fits = collect_tokens(lora, topk_ids, l_b, e_b, tb, T, K, nl, slist, swc,
+                                          tidx, warp, lane, NT, NWP, CAP)
+                if fits:
+                    tb = tb + 4 * NT
+                else:
+                    pm = cutlass.Boolean(True)
+                    base = tb * K
+                    pend = cutlass.min(tb + 4 * NT, T) * K
             # full groups now; the remainder (< G) waits for the next round
             ng = nl // G
             for gi in cutlass.range(ng):

@@ -44,10 +44,9 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from kernels._mma import all_loaded, is_bf16, mma_block, words
-from kernels._bin_scan import scan_step
-from kernels.sm90._bin_scan import keep_remainder, slab_ptr
+from kernels.sm90._bin_scan import collect_round, collect_tokens, keep_remainder, slab_ptr
 
-SASS_REQUIRED = ("LDG", "HMMA", "LDGSTS", "LDGDEPBAR", "SHFL")
+SASS_REQUIRED = ("LDG", "HMMA", "LDGSTS", "LDGDEPBAR", "VOTE")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
 
 _DTYPES = (cutlass.Float16, cutlass.BFloat16)
@@ -61,8 +60,8 @@ def _bin_smem_bytes(c) -> int:
     nt = 32 * c.bin_warps
     # A: 64 rows x bin_chunk_h (or 32 x twice that); x rows: up to twice bin_chunk_h
     ring = c.bin_stages * (_R_MAX + 2 * 16 * c.bin_mtiles) * c.bin_chunk_h * 2
-    return ring + 4 * (nt * c.bin_scan_tokens + 16 * c.bin_mtiles) \
-        + 4 * c.bin_warps + 1024
+    return ring + 4 * (nt * c.bin_scan_unroll + 16 * c.bin_mtiles) \
+        + 4 * c.bin_scan_unroll * c.bin_warps + 1024
 
 
 @dataclass(frozen=True)
@@ -89,7 +88,7 @@ class BgmvShrinkSm90Config:
     bin_mtiles: int = 1
     bin_chunk_h: int = 64
     bin_stages: int = 4
-    bin_scan_tokens: int = 8       # tokens per thread per scan round
+    bin_scan_unroll: int = 8       # pair-table entries per thread per scan round
     bin_ctas_per_sm: int = 4
     bin_prefetch_min: int = 2      # pairs per bin (P / (L * E)) from which a bin's first A
                                    # stages are issued before its pair scan (0: never)
@@ -123,7 +122,7 @@ class BgmvShrinkSm90:
         nt = 32 * c.bin_warps
         if (_R_MAX * (c.bin_chunk_h // _VEC)) % nt:
             return False
-        if not (1 <= c.bin_scan_tokens <= 32 and c.bin_min_pairs >= 1 and c.bin_ctas_per_sm >= 1):
+        if not (1 <= c.bin_scan_unroll <= 32 and c.bin_min_pairs >= 1 and c.bin_ctas_per_sm >= 1):
             return False
         return _bin_smem_bytes(c) <= _SMEM_LIMIT
 
@@ -260,7 +259,7 @@ class BgmvShrinkSm90:
                    lora: cute.Tensor, s: cute.Tensor):
         cfg = self.cfg
         BW, G = cfg.bin_warps, 16 * cfg.bin_mtiles
-        HC, S, SU = cfg.bin_chunk_h, cfg.bin_stages, cfg.bin_scan_tokens
+        HC, S, SU = cfg.bin_chunk_h, cfg.bin_stages, cfg.bin_scan_unroll
         NT = 32 * BW
         CAP = NT * SU + G
         tidx, _, _ = cute.arch.thread_idx()
@@ -282,7 +281,7 @@ class BgmvShrinkSm90:
         sA = smem.allocate_tensor(self.dtype, cute.make_layout((S * _R_MAX * HC,)), 128)
         sX = smem.allocate_tensor(self.dtype, cute.make_layout((S * G * 2 * HC,)), 128)
         slist = smem.allocate_tensor(cutlass.Int32, cute.make_layout((CAP,)), 16)
-        swc = smem.allocate_tensor(cutlass.Int32, cute.make_layout((BW,)), 16)
+        swc = smem.allocate_tensor(cutlass.Int32, cute.make_layout((SU * BW + 1,)), 16)
 
         # ---- dead pairs (skipped adapter / expert): their s rows are zero
         for p in cutlass.range(bid * NT + tidx, P, nblk * NT):
@@ -319,7 +318,7 @@ class BgmvShrinkSm90:
         group's own prologue would)."""
         cfg = self.cfg
         BW, G, S = cfg.bin_warps, 16 * cfg.bin_mtiles, cfg.bin_stages
-        SU = cfg.bin_scan_tokens
+        SU = cfg.bin_scan_unroll
         NT = 32 * BW
         HC = cfg.bin_chunk_h * (_R_MAX // RT)
         H = x.shape[1]
@@ -334,13 +333,29 @@ class BgmvShrinkSm90:
         nl = cutlass.Int32(0)            # pairs collected, not yet processed (CTA-uniform)
         T = P // K
         CAP = NT * SU + G
-        # rounds of NT * SU tokens; a round whose pairs do not all fit in the list is scanned
-        # again from rank lo on (after the full groups ran)
-        tpos = cutlass.Int32(0)
-        lo = cutlass.Int32(0)
-        while tpos < T:
-            tpos, lo, nl = scan_step(topk_ids, lora, slist, swc, l_b, e_b, tpos, lo, nl, CAP, T,
-                                     K, tidx, NT, BW, SU)
+        # token rounds; a round whose hits would overflow the list is collected again in
+        # pair rounds (pm). One call site of bin_group: it is inlined, and registers count.
+        tb = cutlass.Int32(0)
+        base = cutlass.Int32(0)
+        pend = cutlass.Int32(0)
+        pm = cutlass.Boolean(False)
+        while tb < T:
+            if pm:
+                nl = collect_round(lora, topk_ids, l_b, e_b, base, pend, K, nl, slist, swc,
+                                   tidx, warp, lane, NT, BW, SU)
+                base = base + NT * SU
+                if base >= pend:
+                    pm = cutlass.Boolean(False)
+                    tb = tb + 4 * NT
+            else:
+                nl, fits = collect_tokens(lora, topk_ids, l_b, e_b, tb, T, K, nl, slist, swc,
+                                          tidx, warp, lane, NT, BW, CAP)
+                if fits:
+                    tb = tb + 4 * NT
+                else:
+                    pm = cutlass.Boolean(True)
+                    base = tb * K
+                    pend = cutlass.min(tb + 4 * NT, T) * K
             # full groups now; the remainder (< G) waits for the next round
             ng = nl // G
             for gi in cutlass.range(ng):
