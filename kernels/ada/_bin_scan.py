@@ -6,6 +6,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
+from kernels._scan import cta_prefix
+
 
 @cute.jit
 def scan_round(topk_ids: cute.Tensor, lora: cute.Tensor, sList: cute.Tensor, sW: cute.Tensor,
@@ -36,22 +38,7 @@ def scan_round(topk_ids: cute.Tensor, lora: cute.Tensor, sList: cute.Tensor, sW:
                     m = m | cutlass.Int32(1 << j)
         msk[u] = m
         c = c + cute.arch.popc(m)
-    v = c
-    for d in cutlass.range_constexpr(5):
-        nb = cute.arch.shuffle_sync_up(v, 1 << d)
-        if lane >= (1 << d):
-            v = v + nb
-    if lane == 31:
-        sW[warp] = v
-    cute.arch.sync_threads()
-    wbase = cutlass.Int32(0)
-    total = cutlass.Int32(0)
-    for w in cutlass.range_constexpr(NW):
-        tw = sW[w]
-        if w < warp:
-            wbase = wbase + tw
-        total = total + tw
-    r = wbase + v - c
+    r, total = cta_prefix(c, sW, warp, lane, NW)
     if c > 0:
         for u in cutlass.range_constexpr(U):
             m = msk[u]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
+from kernels._scan import cta_prefix
+
 
 def _bit(b: int) -> int:
     """1 << b as an int32 constant (bit 31 is the sign bit)."""
@@ -112,24 +114,10 @@ def collect_tokens(lora: cute.Tensor, topk_ids: cute.Tensor, l_b: cutlass.Int32,
                 if j < K:
                     if topk_ids[tc, j] == e_b:
                         hm = hm | _bit(8 * u + j)
-    cnt = cute.arch.popc(hm)
-    x = cnt                          # inclusive prefix of the counts over the warp
-    for d in cutlass.range_constexpr(5):
-        y = cute.arch.shuffle_sync_up(x, offset=1 << d)
-        if lane >= (1 << d):
-            x = x + y
-    if lane == 31:
-        swc[warp] = x
-    cute.arch.sync_threads()
-    woff = cutlass.Int32(0)
-    tot = cutlass.Int32(0)
-    for w in cutlass.range_constexpr(NW):
-        c = swc[w]
-        woff = woff + cutlass.Int32(cutlass.select_(w < warp, c, 0))
-        tot = tot + c
+    excl, tot = cta_prefix(cute.arch.popc(hm), swc, warp, lane, NW)
     fits = nl + tot <= CAP
     if fits:
-        pos = nl + woff + x - cnt
+        pos = nl + excl
         for b in cutlass.range_constexpr(32):
             if ((hm >> b) & 1) != 0:
                 slist[pos] = (tbase + (b // 8) * NT + tidx) * K + (b % 8)
@@ -163,3 +151,34 @@ def slab_ptr(w: cute.Tensor, l_b, e_b, vec: int):
                                     + cutlass.Int64(e_b) * cutlass.Int64(w.stride[1]),
                                     divby=vec)
 
+
+
+@cute.jit
+def collect_next(lora: cute.Tensor, topk_ids: cute.Tensor, l_b: cutlass.Int32,
+                 e_b: cutlass.Int32, T: cutlass.Int32, K: cutlass.Int32, nl: cutlass.Int32,
+                 tb: cutlass.Int32, base: cutlass.Int32, pend: cutlass.Int32,
+                 pm: cutlass.Boolean, slist: cute.Tensor, swc: cute.Tensor,
+                 tidx: cutlass.Int32, warp: cutlass.Int32, lane: cutlass.Int32,
+                 NT: cutlass.Constexpr, NW: cutlass.Constexpr, SU: cutlass.Constexpr,
+                 CAP: cutlass.Constexpr):
+    """One collection round of a bin's scan, whose cursor is (tb: the token round; pm: inside
+    its pair rounds, at pair base, up to pend): a token round, or, for a token round whose
+    hits would overflow the list, its pairs in pair rounds. Returns (nl, tb, base, pend, pm);
+    the scan is done when tb >= T. The caller runs the full groups after every round."""
+    if pm:
+        nl = collect_round(lora, topk_ids, l_b, e_b, base, pend, K, nl, slist, swc, tidx, warp,
+                           lane, NT, NW, SU)
+        base = base + NT * SU
+        if base >= pend:
+            pm = cutlass.Boolean(False)
+            tb = tb + 4 * NT
+    else:
+        nl, fits = collect_tokens(lora, topk_ids, l_b, e_b, tb, T, K, nl, slist, swc, tidx,
+                                  warp, lane, NT, NW, CAP)
+        if fits:
+            tb = tb + 4 * NT
+        else:
+            pm = cutlass.Boolean(True)
+            base = tb * K
+            pend = cutlass.min(tb + 4 * NT, T) * K
+    return nl, tb, base, pend, pm

@@ -43,7 +43,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from kernels._mma import all_loaded, is_bf16, mma_block, words, zero_unless
-from kernels.sm90._bin_scan import collect_round, collect_tokens, keep_remainder, slab_ptr
+from kernels.sm90._bin_scan import collect_next, keep_remainder, slab_ptr
 
 SASS_REQUIRED = ("LDG", "STG", "HMMA", "LDGSTS", "LDGDEPBAR", "VOTE")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
@@ -382,28 +382,16 @@ class BgmvExpandSm90:
         T = P // K
         CAP = NT * SU + G
         # token rounds; a round whose hits would overflow the list is collected again in
-        # pair rounds (pm). One call site of bin_group: it is inlined, and registers count.
+        # pair rounds (collect_next). One call site of bin_group in the loop: it is inlined,
+        # and registers count.
         tb = cutlass.Int32(0)
         base = cutlass.Int32(0)
         pend = cutlass.Int32(0)
         pm = cutlass.Boolean(False)
         while tb < T:
-            if pm:
-                nl = collect_round(lora, topk_ids, l_b, e_b, base, pend, K, nl, slist, swc,
-                                   tidx, warp, lane, NT, NWP, SU)
-                base = base + NT * SU
-                if base >= pend:
-                    pm = cutlass.Boolean(False)
-                    tb = tb + 4 * NT
-            else:
-                nl, fits = collect_tokens(lora, topk_ids, l_b, e_b, tb, T, K, nl, slist, swc,
-                                          tidx, warp, lane, NT, NWP, CAP)
-                if fits:
-                    tb = tb + 4 * NT
-                else:
-                    pm = cutlass.Boolean(True)
-                    base = tb * K
-                    pend = cutlass.min(tb + 4 * NT, T) * K
+            nl, tb, base, pend, pm = collect_next(lora, topk_ids, l_b, e_b, T, K, nl, tb, base,
+                                                  pend, pm, slist, swc, tidx, warp, lane, NT,
+                                                  NWP, SU, CAP)
             # full groups now; the remainder (< G) waits for the next round
             ng = nl // G
             for gi in cutlass.range(ng):
