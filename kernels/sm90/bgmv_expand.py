@@ -105,6 +105,9 @@ class BgmvExpandSm90Config:
     fin_threads: int = 128         # finalize pass: 4 columns per thread
     fin_ctas_per_sm: int = 8
     pdl: bool = True
+    bin_pdl: bool = True           # the bin kernel too (after_shrink variants): its CTAs take
+                                   # the SMs the shrink's last wave leaves, issue their first
+                                   # B stages and scan, then wait before their first s load
 
 
 class BgmvExpandSm90:
@@ -159,7 +162,8 @@ class BgmvExpandSm90:
                 # per-pair deltas to ws, then the fixed-order per-token sum into y
                 self.bin_kernel(s, b, topk_ids, lora, ws).launch(
                     grid=[b_grid, 1, 1], block=[cfg.bin_threads, 1, 1], stream=stream,
-                    min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100)
+                    min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100,
+                    use_pdl=self.pdl and cfg.bin_pdl)
                 fcols = 4 * cfg.fin_threads
                 f_items = T * ((N + fcols - 1) // fcols)
                 f_grid = cutlass.max(cutlass.min(f_items, cfg.num_sms * cfg.fin_ctas_per_sm), 1)
@@ -168,7 +172,8 @@ class BgmvExpandSm90:
             else:
                 self.bin_kernel(s, b, topk_ids, lora, y).launch(
                     grid=[b_grid, 1, 1], block=[cfg.bin_threads, 1, 1], stream=stream,
-                    min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100)
+                    min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100,
+                    use_pdl=self.pdl and cfg.bin_pdl)
         else:
             items = ((N + _CN - 1) // _CN) * T
             grid = cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm)
@@ -483,6 +488,10 @@ class BgmvExpandSm90:
                     self.bin_load_stage(b, slab, sB, N, nrv, st, st, tidx, NB)
                 cute.arch.cp_async_commit_group()
 
+        if cutlass.const_expr(self.pdl and cfg.bin_pdl):
+            # s is the shrink's output: wait for it (the ring's first stages and the bin's
+            # scan went out before; a no-op once the shrink is done)
+            cute.arch.griddepcontrol_wait()
         # the group's s rows as A fragments (rows g / g + 8 of each m-tile), zeros past R
         # and for rows past the group; their pair ids for the stores
         sfr = cute.make_rmem_tensor((_VEC, 2, NB, MT), self.dtype)

@@ -272,6 +272,10 @@ class BgmvShrinkSm90:
     def bin_kernel(self, x: cute.Tensor, a: cute.Tensor, topk_ids: cute.Tensor,
                    lora: cute.Tensor, s: cute.Tensor):
         cfg = self.cfg
+        if cutlass.const_expr(cfg.pdl):
+            # a plan's expand (launched with PDL) may take the SMs this grid's CTAs leave;
+            # it waits (griddepcontrol.wait) before it reads s
+            cute.arch.griddepcontrol_launch_dependents()
         BW, G = cfg.bin_warps, 16 * cfg.bin_mtiles
         HC, S, SU = cfg.bin_chunk_h, cfg.bin_stages, cfg.bin_scan_unroll
         NT = 32 * BW
