@@ -191,9 +191,9 @@ def bgmv_fused_abi(dtype: str) -> tuple:
 
       x, a, topk_ids, lora, s   as bgmv_shrink_abi (s is written)
       b, topk_w, y              as bgmv_expand_abi
-      sync     (P*R/8 + ceil(N/64)*T*k,) int32  launch counters (ready flags per shrink
-                                              item, the count each expand slot waited for);
-                                              zeroed once, owned by one plan
+      sync     (1 + max_ctas + P*R/8,) int32  launch generation, per-CTA arrival words and
+                                              per-shrink-item ready flags; zeroed once,
+                                              owned by one plan
       max_ctas                  int32          co-resident CTA bound (SMs x ctas_per_sm)
     """
     return (

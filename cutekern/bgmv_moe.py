@@ -216,14 +216,12 @@ def _fused_function(dtype, finalize, device):
     return get_function("bgmv_fused", {"dtype": _DTYPES[dtype]}, {"finalize": bool(finalize)}, device)
 
 
-def _sync_buffer(fused_fn, t, k, n, r, device):
-    """Zeroed once: the fused kernel's launch counters (kernels/_sync.py), one per shrink
-    item (pair, 8 rows of r) and one per expand item (64 output columns, token) and slot;
-    they are never reset. Also the co-resident CTA bound of its cooperative launch."""
+def _sync_buffer(fused_fn, p, r, device):
+    """Zeroed once: the fused kernel's launch generation, per-CTA arrival words and one
+    ready flag per shrink item (kernels/_sync.py); its flags never need resetting."""
     per_sm = int(fused_fn.meta.get("config", {}).get("ctas_per_sm", 2))
     max_ctas = torch.cuda.get_device_properties(device).multi_processor_count * per_sm
-    size = t * k * (r // 8) + -(-n // 64) * t * k
-    return torch.zeros(size, dtype=torch.int32, device=device), max_ctas
+    return torch.zeros(1 + max_ctas + p * (r // 8), dtype=torch.int32, device=device), max_ctas
 
 
 def _functions(dtype, finalize, device):
@@ -299,7 +297,7 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
     fused_fn = _fused_function(x.dtype, finalize, dev) if sorted_token_ids is None and fused is not False \
         else None
     if fused_fn is not None and p < int(fused_fn.meta.get("config", {}).get("max_pairs", 0)):
-        sync, max_ctas = _sync_buffer(fused_fn, t, k, n, r, dev)
+        sync, max_ctas = _sync_buffer(fused_fn, p, r, dev)
         fc = fused_fn.bind(x, lora_a, lora_b, topk_ids, lora_indices, w, s, y, sync, max_ctas)
         plan = BgmvMoePlan(None, None, s, y, dict(meta, fused=True), fused_call=fc)
         plan._keep = (w, sync)

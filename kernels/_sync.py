@@ -1,14 +1,13 @@
-"""Inter-CTA signalling inside one launch, without atomics or any reset between launches
-(CUDA-graph replays included), and a bulk L2 prefetch.
+"""Inter-CTA signalling inside one launch, without atomics: single-writer ready flags that
+hold a launch generation (so they never need resetting between launches, CUDA-graph
+replays included), and a bulk L2 prefetch.
 
-Ready flags are launch counters. A flag has one writer per launch, which bumps it
-(`bump_flag`: the value it read at the start of its work + 1, released after a CTA barrier
-that orders the CTA's data stores before it). A reader waits for the count it expects
-(`wait_flags`, acquire); it keeps that expectation in a word of its own (`seen`): it loads
-the word at the start of its work and stores it + 1 afterwards, whether or not it had to
-wait, so writer and reader advance in lock step, one count per launch, from zero. The
-kernels that use these run all their CTAs co-resident (cooperative launch) and a CTA waits
-only after it has done all the work other CTAs may wait for."""
+A flag is written by exactly one thread per launch (release, after a CTA barrier that
+orders the CTA's data stores before it) and polled by its readers (acquire). Its value is
+the launch's generation + 1, where the generation is a word the previous launch left
+behind (`publish_generation`), so a flag written by the previous launch never reads as
+ready. The kernels that use these run all their CTAs co-resident (cooperative launch) and
+a CTA waits only after it has done everything other CTAs may wait for."""
 from __future__ import annotations
 
 import cutlass
@@ -19,35 +18,51 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 
 @cute.jit
-def bump_flag(flags: cute.Tensor, idx: Int32, old: Int32, tidx: Int32):
-    """Whole CTA: the CTA's stores so far become visible to whoever acquires
-    flags[idx] == old + 1 (old: the flag's value before this launch, read by thread 0)."""
+def read_generation(sync: cute.Tensor, tidx: Int32, bid: Int32) -> Int32:
+    """The launch's target flag value (generation + 1). Every thread reads the word, then
+    a CTA barrier, then thread 0 marks the CTA as arrived (sync[1 + bid] = target), so no
+    thread of the CTA can see the next generation published by `publish_generation`."""
+    gen = cute.arch.load(sync.iterator, Int32, sem="relaxed", scope="gpu")
+    target = gen + 1
     cute.arch.sync_threads()
     if tidx == 0:
-        cute.arch.store(flags.iterator + idx, old + 1, sem="release", scope="gpu")
+        cute.arch.store(sync.iterator + 1 + bid, target, sem="relaxed", scope="gpu")
+    return target
 
 
 @cute.jit
-def wait_flags(flags: cute.Tensor, base: Int32, n: Int32, target: Int32, backoff_ns: cutlass.Constexpr):
-    """Whole warp: spin until flags[base .. base + n) (n <= 32) all reached target (acquire:
-    the writers' data is visible to the warp afterwards); sleeps between polls so spinning
-    warps leave the L2 and issue slots to the ones still loading."""
+def publish_generation(sync: cute.Tensor, target: Int32, nblk: Int32, lane: Int32):
+    """One warp of one CTA, at its end: once every CTA of the launch has arrived (read the
+    generation), sync[0] = target, the generation the next launch reads."""
+    for i in cutlass.range(lane, nblk, 32):
+        pending = Int32(1)
+        while pending != 0:
+            v = cute.arch.load(sync.iterator + 1 + i, Int32, sem="relaxed", scope="gpu")
+            pending = Int32(v != target)
+    cute.arch.sync_warp()
+    if lane == 0:
+        cute.arch.store(sync.iterator, target, sem="relaxed", scope="gpu")
+
+
+@cute.jit
+def set_flag(flags: cute.Tensor, idx: Int32, target: Int32, tidx: Int32):
+    """Whole CTA: the CTA's stores so far become visible to whoever acquires flags[idx]."""
+    cute.arch.sync_threads()
+    if tidx == 0:
+        cute.arch.store(flags.iterator + idx, target, sem="release", scope="gpu")
+
+
+@cute.jit
+def wait_flags(flags: cute.Tensor, base: Int32, n: Int32, target: Int32):
+    """Whole warp: spin until flags[base .. base + n) (n <= 32) all hold target (acquire:
+    the writers' data is visible to the warp afterwards)."""
     lane = cute.arch.lane_idx()
     ptr = flags.iterator + (base + cutlass.min(lane, n - 1))
-    v = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-    pending = Int32(cute.arch.vote_ballot_sync((v - target) < 0))
+    pending = Int32(1)
     while pending != 0:
-        nanosleep(backoff_ns)
         v = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-        pending = Int32(cute.arch.vote_ballot_sync((v - target) < 0))
+        pending = Int32(cute.arch.vote_ballot_sync(v != target))
     cute.arch.sync_warp()
-
-
-@dsl_user_op
-def nanosleep(ns, *, loc=None, ip=None):
-    llvm.inline_asm(None, [Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r",
-                    has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @dsl_user_op

@@ -227,19 +227,18 @@ class BgmvExpandSm90:
             c = w // T
             t = w - c * T
             self._pair_item(s, b, topk_ids, lora, topk_w, y, sv, bv, vec_atom, st_atom, sd, slive,
-                            sw, c, t, zmask, tidx, warp, lane, g, q, None, None, 0, 0)
+                            sw, c, t, zmask, tidx, warp, lane, g, q, None, 0)
 
     @cute.jit
     def _pair_item(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
                    lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor, sv, bv, vec_atom,
                    st_atom, sd, slive, sw, c: cutlass.Int32, t: cutlass.Int32,
                    zmask: cutlass.Int32, tidx: cutlass.Int32, warp: cutlass.Int32,
-                   lane: cutlass.Int32, g: cutlass.Int32, q: cutlass.Int32, flags, seen,
-                   w: cutlass.Int32, backoff_ns: cutlass.Constexpr):
+                   lane: cutlass.Int32, g: cutlass.Int32, q: cutlass.Int32, flags,
+                   target: cutlass.Int32):
         """Work item (column chunk c, token t) of the pair schedule. flags (the fused plan
-        kernel, kernels/sm90/bgmv_fused.py, item w): warp j waits until the R / 8 ready
-        flags of its pair reach the count it expects (seen[w * k + j] + 1, kernels/_sync.py)
-        before it loads s; None: s is there (or griddepcontrol)."""
+        kernel, kernels/sm90/bgmv_fused.py): warp j waits until the R / 8 ready flags of
+        its pair hold `target` before it loads s; None: s is there (or griddepcontrol)."""
         K = topk_ids.shape[1]
         L = b.shape[0]
         E = b.shape[1]
@@ -255,10 +254,7 @@ class BgmvExpandSm90:
         d = cute.make_rmem_tensor((2,), cutlass.Float32)
         d.fill(0.0)
         wj = cutlass.Float32(0.0)
-        target = cutlass.Int32(0)
         if j < K:
-            if cutlass.const_expr(flags is not None):
-                target = seen[w * K + j] + 1
             if cutlass.const_expr(self.finalize):
                 # the routing weight is loaded with the routing (off the critical path
                 # that starts at the wait) and handed to the finalize through smem
@@ -268,13 +264,10 @@ class BgmvExpandSm90:
             if live:
                 if R > _KB:
                     self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
-                                    zmask, flags, target, backoff_ns, 2)
+                                    zmask, flags, target, 2)
                 else:
                     self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
-                                    zmask, flags, target, backoff_ns, 1)
-            if cutlass.const_expr(flags is not None):
-                if lane == 0:         # one count per launch, waited for or not
-                    seen[w * K + j] = target
+                                    zmask, flags, target, 1)
 
         if cutlass.const_expr(self.finalize):
             for e2 in cutlass.range_constexpr(2):
@@ -302,7 +295,7 @@ class BgmvExpandSm90:
     def _pair_dots(self, sv, bv, vec_atom, d: cute.Tensor, p: cutlass.Int32, lo: cutlass.Int32,
                    ex: cutlass.Int32, n0: cutlass.Int32, N: cutlass.Int32, nrv: cutlass.Int32,
                    g: cutlass.Int32, q: cutlass.Int32, zmask: cutlass.Int32, flags,
-                   target: cutlass.Int32, backoff_ns: cutlass.Constexpr, NB: cutlass.Constexpr):
+                   target: cutlass.Int32, NB: cutlass.Constexpr):
         """d = the chains of n-tile g of the chunk for pair p (NB k blocks of R)."""
         bf = cute.make_rmem_tensor((_VEC, NB, 8), self.dtype)
         sf = cute.make_rmem_tensor((_VEC, NB), self.dtype)
@@ -315,7 +308,7 @@ class BgmvExpandSm90:
                 cute.copy(vec_atom, bv[(None, (lo, ex, n, v))], bf[None, kb, i])
         if cutlass.const_expr(flags is not None):
             # the shrink items of pair p: n-tiles of 8 rows of R = nrv
-            wait_flags(flags, p * nrv, nrv, target, backoff_ns)
+            wait_flags(flags, p * nrv, nrv, target)
         elif cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
         for kb in cutlass.range_constexpr(NB):

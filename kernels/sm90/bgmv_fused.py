@@ -9,24 +9,22 @@ Why: at T <= 32 a plan was two dependent launches. Even with PDL, the expand's C
 little room on the SMs while the shrink's held the register file, and each kernel paid its
 own first-wave latency (H200, T = 8: ~9.2 us each alone, 13.8 us together).
 
-Schedule (all CTAs co-resident: cooperative launch, grid <= max_ctas), every CTA either both
-phases in turn (default) or one of them (roles):
-1. entry: bulk L2 prefetches of the B slices (64 output rows x R) of the CTA's expand items,
-   and of the A rows of its shrink items after the first;
-2. shrink items (pair p, 8 A rows), grid-stride: after an item, its ready flag is bumped
-   (release; one writer per flag and launch);
-3. expand items (64 output columns, token t), grid-stride: warp j loads its pair's B slice,
-   waits (acquire, with a short sleep between polls) until the R / 8 flags of pair
-   t * k + j reach this launch's count, loads s, runs the chains, and the CTA finalizes as
-   the pair schedule does.
+Schedule (all CTAs co-resident: cooperative launch, grid <= max_ctas):
+1. entry: read the launch generation (kernels/_sync.py); issue bulk L2 prefetches of every B
+   slice (64 output rows x R) of the CTA's expand items, and of the A rows of its shrink
+   items after the first;
+2. shrink items (pair p, 8 A rows), grid-stride: after an item, a release store of its ready
+   flag (one flag per item, one writer);
+3. expand items (64 output columns, token t), grid-stride: warp j loads its pair's B slice
+   (L2 by now), waits (acquire) for the R / 8 flags of pair t * k + j, loads s, runs the
+   chains, and the CTA finalizes as the pair schedule does.
 A CTA waits only after all its shrink items are done and every CTA is resident, so no wait
 can block a shrink item. Skipped pairs still get their (zero) s row and flag; their expand
-warps never wait. The flags are launch counters (kernels/_sync.py): nothing is reset
-between launches or graph replays.
+warps never wait. CTA 0 publishes the next generation once every CTA has read this one.
 
 Pairs are in token order (the plan's own order; a plan with sorted_token_ids runs the two
-kernels). sync: int32 [P * R / 8 + ceil(N / 64) * T * k], zeroed once (the plan owns it; two
-plans must not share one, nor may one plan run on two streams at once).
+kernels). sync: int32 [1 + max_ctas + P * R / 8], zeroed once (the plan owns it; two plans
+must not share one, nor may one plan run on two streams at once).
 """
 from __future__ import annotations
 
@@ -37,7 +35,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from kernels._sync import bump_flag, prefetch_l2
+from kernels._sync import prefetch_l2, publish_generation, read_generation, set_flag
 from kernels.sm90._bin_scan import slab_ptr
 from kernels.sm90.bgmv_expand import _CN, _MAX_K, _VEC, BgmvExpandSm90, BgmvExpandSm90Config
 from kernels.sm90.bgmv_shrink import BgmvShrinkSm90, BgmvShrinkSm90Config
@@ -67,7 +65,6 @@ class BgmvFusedSm90Config:
                                    # every CTA does its shrink items, then its expand items
     shrink_share: int = 50         # roles: percent of max_ctas that take shrink items
     cooperative: bool = True
-    backoff_ns: int = 64           # sleep between two polls of a ready flag
 
 
 class BgmvFusedSm90:
@@ -135,10 +132,11 @@ class BgmvFusedSm90:
         shr_items = P * NTL
         exp_items = ((N + _CN - 1) // _CN) * T
         zmask = cutlass.Int32(H) >> 30           # 0 at run time, opaque to ptxas
-        # sync = [flags[P * NTL] (a count per shrink item), seen[exp_items * K] (the count
-        # expand item w's warp j waited for last)]
-        flags = cute.make_tensor(sync.iterator, cute.make_layout((shr_items,)))
-        seen = cute.make_tensor(sync.iterator + shr_items, cute.make_layout((exp_items * K,)))
+        # sync = [generation, arrived[max_ctas], flags[P * NTL]]
+        nflag_base = sync.shape[0] - shr_items
+        flags = cute.make_tensor(sync.iterator + nflag_base, cute.make_layout((shr_items,)))
+
+        target = read_generation(sync, tidx, bid)
 
         smem = cutlass.utils.SmemAllocator()
         part = smem.allocate_tensor(cutlass.Float32, cute.make_layout((_MAX_K, 8), stride=(8, 1)), 16)
@@ -161,27 +159,29 @@ class BgmvFusedSm90:
         if cutlass.const_expr(self.cfg.roles):
             # disjoint branches: the two phases' registers are never live together
             if bid < n_shr:
-                self._shrink_phase(x, a, s, topk_ids, lora, part, vec_atom, flags, bid, n_shr,
-                                   zmask, tidx, warp, g, q)
+                self._shrink_phase(x, a, s, topk_ids, lora, part, vec_atom, flags, target, bid,
+                                   n_shr, zmask, tidx, warp, g, q)
             else:
                 e0 = bid - n_shr
                 es = nblk - n_shr
                 # an expand CTA loads its first item's B slices itself, at once
                 self._expand_phase(s, b, topk_ids, lora, topk_w, y, sv, bv, vec_atom, st_atom,
-                                   sd, slive, sw, flags, seen, e0, es, e0 + es, zmask, tidx,
+                                   sd, slive, sw, flags, target, e0, es, e0 + es, zmask, tidx,
                                    warp, lane, g, q)
         else:
-            self._shrink_phase(x, a, s, topk_ids, lora, part, vec_atom, flags, bid, nblk,
-                               zmask, tidx, warp, g, q)
+            self._shrink_phase(x, a, s, topk_ids, lora, part, vec_atom, flags, target, bid,
+                               nblk, zmask, tidx, warp, g, q)
             self._expand_phase(s, b, topk_ids, lora, topk_w, y, sv, bv, vec_atom, st_atom, sd,
-                               slive, sw, flags, seen, bid, nblk, bid, zmask, tidx, warp,
+                               slive, sw, flags, target, bid, nblk, bid, zmask, tidx, warp,
                                lane, g, q)
 
+        if (bid == 0) & (warp == 0):
+            publish_generation(sync, target, nblk, lane)
 
 
     @cute.jit
-    def _shrink_phase(self, x, a, s, topk_ids, lora, part, vec_atom, flags, s0, ss, zmask,
-                      tidx, warp, g, q):
+    def _shrink_phase(self, x, a, s, topk_ids, lora, part, vec_atom, flags, target, s0, ss,
+                      zmask, tidx, warp, g, q):
         """Shrink items s0, s0 + ss, ... (token order: item w is pair w // (R / 8), rows
         8 (w % (R / 8)) ..), each followed by its ready flag."""
         T = x.shape[0]
@@ -208,17 +208,14 @@ class BgmvFusedSm90:
             t = p // K
             lo = lora[t]
             ex = topk_ids[t, p - t * K]
-            old = cutlass.Int32(0)
-            if tidx == 0:
-                old = flags[w]    # this launch's count is old + 1 (flags has one writer)
             live = (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)
             self.shr._pair_item(x, a, s, part, vec_atom, p, t, nt, lo, ex, live,
                                 cutlass.Boolean(True), zmask, tidx, warp, g, q)
-            bump_flag(flags, w, old, tidx)
+            set_flag(flags, w, target, tidx)
 
     @cute.jit
     def _expand_phase(self, s, b, topk_ids, lora, topk_w, y, sv, bv, vec_atom, st_atom, sd,
-                      slive, sw, flags, seen, e0, es, e_pf, zmask, tidx, warp, lane, g, q):
+                      slive, sw, flags, target, e0, es, e_pf, zmask, tidx, warp, lane, g, q):
         """Expand items e0, e0 + es, ... (item w: token w % T, columns 64 (w // T) ..); the
         B slices of items from e_pf on are prefetched into L2 first."""
         T = lora.shape[0]
@@ -243,5 +240,4 @@ class BgmvFusedSm90:
             c = w // T
             t = w - c * T
             self.exp._pair_item(s, b, topk_ids, lora, topk_w, y, sv, bv, vec_atom, st_atom, sd,
-                                slive, sw, c, t, zmask, tidx, warp, lane, g, q, flags, seen, w,
-                                self.cfg.backoff_ns)
+                                slive, sw, c, t, zmask, tidx, warp, lane, g, q, flags, target)
