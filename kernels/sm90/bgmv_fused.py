@@ -40,7 +40,7 @@ from kernels.sm90._bin_scan import slab_ptr
 from kernels.sm90.bgmv_expand import _CN, _MAX_K, _VEC, BgmvExpandSm90, BgmvExpandSm90Config
 from kernels.sm90.bgmv_shrink import BgmvShrinkSm90, BgmvShrinkSm90Config
 
-SASS_REQUIRED = ("LDG", "STG", "HMMA")
+SASS_REQUIRED = ("LDG", "STG", "HMMA", "UBLKPF")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
 
 _DTYPES = (cutlass.Float16, cutlass.BFloat16)
@@ -156,44 +156,37 @@ class BgmvFusedSm90:
         sv = cute.zipped_divide(s, (1, _VEC))        # ((1, 8), (P, nrv))
         bv = cute.zipped_divide(b, (1, 1, 1, _VEC))  # ((1,1,1,8), (L, E, N, nrv))
 
+        # this CTA's items: [s0, shr_items) step ss, [e0, exp_items) step es
+        s0 = bid
+        ss = nblk
+        e0 = bid
+        es = nblk
+        e_pf = e0           # first expand item whose B slices go through an L2 prefetch
         if cutlass.const_expr(self.cfg.roles):
-            # disjoint branches: the two phases' registers are never live together
+            ss = n_shr
+            es = nblk - n_shr
             if bid < n_shr:
-                self._shrink_phase(x, a, s, topk_ids, lora, part, vec_atom, flags, target, bid,
-                                   n_shr, zmask, tidx, warp, g, q)
+                e0 = exp_items
             else:
+                s0 = shr_items
                 e0 = bid - n_shr
-                es = nblk - n_shr
-                # an expand CTA loads its first item's B slices itself, at once
-                self._expand_phase(s, b, topk_ids, lora, topk_w, y, sv, bv, vec_atom, st_atom,
-                                   sd, slive, sw, flags, target, e0, es, e0 + es, zmask, tidx,
-                                   warp, lane, g, q)
-        else:
-            self._shrink_phase(x, a, s, topk_ids, lora, part, vec_atom, flags, target, bid,
-                               nblk, zmask, tidx, warp, g, q)
-            self._expand_phase(s, b, topk_ids, lora, topk_w, y, sv, bv, vec_atom, st_atom, sd,
-                               slive, sw, flags, target, bid, nblk, bid, zmask, tidx, warp,
-                               lane, g, q)
-
-        if (bid == 0) & (warp == 0):
-            publish_generation(sync, target, nblk, lane)
-
-
-    @cute.jit
-    def _shrink_phase(self, x, a, s, topk_ids, lora, part, vec_atom, flags, target, s0, ss,
-                      zmask, tidx, warp, g, q):
-        """Shrink items s0, s0 + ss, ... (token order: item w is pair w // (R / 8), rows
-        8 (w % (R / 8)) ..), each followed by its ready flag."""
-        T = x.shape[0]
-        L = a.shape[0]
-        E = a.shape[1]
-        NTL = a.shape[2] // 8
-        K = topk_ids.shape[1]
-        items = T * K * NTL
+            e_pf = e0 + es  # an expand CTA loads its first item's slices itself, at once
         if cutlass.const_expr(self.cfg.prefetch):
-            # the A rows of the items after the first (the first ones load now)
+            # the B slices of this CTA's expand items (warp j: slot j) ...
+            if (lane == 0) & (warp < K):
+                for w in cutlass.range(e_pf, exp_items, es):
+                    c = w // T
+                    t = w - c * T
+                    lo = lora[t]
+                    ex = topk_ids[t, warp]
+                    if (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E):
+                        n0 = c * _CN
+                        rows = cutlass.min(_CN, N - n0)
+                        prefetch_l2(slab_ptr(b, lo, ex, _VEC) + cute.assume(n0 * b.stride[2], divby=_VEC),
+                                    rows * b.stride[2] * 2)
+            # ... and the A rows of its shrink items after the first (the first loads now)
             if tidx == 32 * (_MAX_K - 1):
-                for w in cutlass.range(s0 + ss, items, ss):
+                for w in cutlass.range(s0 + ss, shr_items, ss):
                     p = w // NTL
                     nt = w - p * NTL
                     t = p // K
@@ -202,7 +195,9 @@ class BgmvFusedSm90:
                     if (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E):
                         prefetch_l2(slab_ptr(a, lo, ex, _VEC) + cute.assume(nt * 8 * a.stride[2], divby=_VEC),
                                     8 * a.stride[2] * 2)
-        for w in cutlass.range(s0, items, ss):
+
+        # shrink items (token order: the item's pair is p = w // NTL)
+        for w in cutlass.range(s0, shr_items, ss):
             p = w // NTL
             nt = w - p * NTL
             t = p // K
@@ -213,31 +208,12 @@ class BgmvFusedSm90:
                                 cutlass.Boolean(True), zmask, tidx, warp, g, q)
             set_flag(flags, w, target, tidx)
 
-    @cute.jit
-    def _expand_phase(self, s, b, topk_ids, lora, topk_w, y, sv, bv, vec_atom, st_atom, sd,
-                      slive, sw, flags, target, e0, es, e_pf, zmask, tidx, warp, lane, g, q):
-        """Expand items e0, e0 + es, ... (item w: token w % T, columns 64 (w // T) ..); the
-        B slices of items from e_pf on are prefetched into L2 first."""
-        T = lora.shape[0]
-        L = b.shape[0]
-        E = b.shape[1]
-        N = b.shape[2]
-        K = topk_ids.shape[1]
-        items = ((N + _CN - 1) // _CN) * T
-        if cutlass.const_expr(self.cfg.prefetch):
-            if (lane == 0) & (warp < K):        # warp j: slot j's slices
-                for w in cutlass.range(e_pf, items, es):
-                    c = w // T
-                    t = w - c * T
-                    lo = lora[t]
-                    ex = topk_ids[t, warp]
-                    if (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E):
-                        n0 = c * _CN
-                        rows = cutlass.min(_CN, N - n0)
-                        prefetch_l2(slab_ptr(b, lo, ex, _VEC) + cute.assume(n0 * b.stride[2], divby=_VEC),
-                                    rows * b.stride[2] * 2)
-        for w in cutlass.range(e0, items, es):
+        # expand items: wait per pair for its s row (flags), then as the pair schedule
+        for w in cutlass.range(e0, exp_items, es):
             c = w // T
             t = w - c * T
             self.exp._pair_item(s, b, topk_ids, lora, topk_w, y, sv, bv, vec_atom, st_atom, sd,
                                 slive, sw, c, t, zmask, tidx, warp, lane, g, q, flags, target)
+
+        if (bid == 0) & (warp == 0):
+            publish_generation(sync, target, nblk, lane)
