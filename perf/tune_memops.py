@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-OPS = {"attn_res": ["attn_res"], "bgmv": ["bgmv_shrink", "bgmv_expand", "bgmv_fused"]}
+OPS = {"attn_res": ["attn_res"], "bgmv": ["bgmv_shrink", "bgmv_expand"]}
 
 
 def make(root: Path, configs: dict):
@@ -124,9 +124,6 @@ def _bgmv(row):
         x, a, b, ids, w, lora = problem(t, 2688, 32, 128, 6, t)
         p = prepare_bgmv_moe(x, a, b, ids, w, lora)
         row[f"T{t}_us"] = round(1e3 * time_graph_ms(p.run, reps=20), 2)
-        if p.meta.get("fused"):  # the same plan as two launches
-            two = prepare_bgmv_moe(x, a, b, ids, w, lora, fused=False)
-            row[f"T{t}two_us"] = round(1e3 * time_graph_ms(two.run, reps=20), 2)
         if t >= 256:  # the two kernels alone (bin schedule: no PDL between them)
             row[f"T{t}s_us"] = round(1e3 * time_graph_ms(p._shrink.launch, reps=20), 2)
             row[f"T{t}e_us"] = round(1e3 * time_graph_ms(p._expand.launch, reps=20), 2)

@@ -60,11 +60,6 @@ class BgmvFusedSm90Config:
     ctas_per_sm: int = 2
     seg_h: int = BgmvShrinkSm90Config.seg_h
     prefetch: bool = True
-    roles: bool = False            # True: shrink CTAs and expand CTAs (the expand CTAs load
-                                   # their first B slices into registers at once); False:
-                                   # every CTA does its shrink items, then its expand items
-    shrink_share: int = 50         # roles: percent of max_ctas that take shrink items
-    cooperative: bool = True
 
 
 class BgmvFusedSm90:
@@ -96,22 +91,17 @@ class BgmvFusedSm90:
         P = T * topk_ids.shape[1]
         shr_items = P * (R // 8)
         exp_items = ((N + _CN - 1) // _CN) * T
-        if cutlass.const_expr(self.cfg.roles):
-            n_shr = cutlass.min(shr_items, cutlass.max((max_ctas * self.cfg.shrink_share) // 100, 1))
-            grid = n_shr + cutlass.max(cutlass.min(exp_items, max_ctas - n_shr), 1)
-        else:
-            n_shr = cutlass.Int32(0)
-            grid = cutlass.max(cutlass.min(cutlass.max(shr_items, exp_items), max_ctas), 1)
-        self.kernel(x, a, b, topk_ids, lora, topk_w, s, y, sync, n_shr).launch(
+        grid = cutlass.max(cutlass.min(cutlass.max(shr_items, exp_items), max_ctas), 1)
+        self.kernel(x, a, b, topk_ids, lora, topk_w, s, y, sync).launch(
             grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
             min_blocks_per_mp=self.cfg.ctas_per_sm, preferred_smem_carveout=25,
-            cooperative=self.cfg.cooperative)
+            cooperative=True)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, x: cute.Tensor, a: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
                lora: cute.Tensor, topk_w: cute.Tensor, s: cute.Tensor, y: cute.Tensor,
-               sync: cute.Tensor, n_shr: cutlass.Int32):
+               sync: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
@@ -156,25 +146,10 @@ class BgmvFusedSm90:
         sv = cute.zipped_divide(s, (1, _VEC))        # ((1, 8), (P, nrv))
         bv = cute.zipped_divide(b, (1, 1, 1, _VEC))  # ((1,1,1,8), (L, E, N, nrv))
 
-        # this CTA's items: [s0, shr_items) step ss, [e0, exp_items) step es
-        s0 = bid
-        ss = nblk
-        e0 = bid
-        es = nblk
-        e_pf = e0           # first expand item whose B slices go through an L2 prefetch
-        if cutlass.const_expr(self.cfg.roles):
-            ss = n_shr
-            es = nblk - n_shr
-            if bid < n_shr:
-                e0 = exp_items
-            else:
-                s0 = shr_items
-                e0 = bid - n_shr
-            e_pf = e0 + es  # an expand CTA loads its first item's slices itself, at once
         if cutlass.const_expr(self.cfg.prefetch):
             # the B slices of this CTA's expand items (warp j: slot j) ...
             if (lane == 0) & (warp < K):
-                for w in cutlass.range(e_pf, exp_items, es):
+                for w in cutlass.range(bid, exp_items, nblk):
                     c = w // T
                     t = w - c * T
                     lo = lora[t]
@@ -186,7 +161,7 @@ class BgmvFusedSm90:
                                     rows * b.stride[2] * 2)
             # ... and the A rows of its shrink items after the first (the first loads now)
             if tidx == 32 * (_MAX_K - 1):
-                for w in cutlass.range(s0 + ss, shr_items, ss):
+                for w in cutlass.range(bid + nblk, shr_items, nblk):
                     p = w // NTL
                     nt = w - p * NTL
                     t = p // K
@@ -197,7 +172,7 @@ class BgmvFusedSm90:
                                     8 * a.stride[2] * 2)
 
         # shrink items (token order: the item's pair is p = w // NTL)
-        for w in cutlass.range(s0, shr_items, ss):
+        for w in cutlass.range(bid, shr_items, nblk):
             p = w // NTL
             nt = w - p * NTL
             t = p // K
@@ -209,7 +184,7 @@ class BgmvFusedSm90:
             set_flag(flags, w, target, tidx)
 
         # expand items: wait per pair for its s row (flags), then as the pair schedule
-        for w in cutlass.range(e0, exp_items, es):
+        for w in cutlass.range(bid, exp_items, nblk):
             c = w // T
             t = w - c * T
             self.exp._pair_item(s, b, topk_ids, lora, topk_w, y, sv, bv, vec_atom, st_atom, sd,
