@@ -184,28 +184,3 @@ def bgmv_expand_abi(dtype: str) -> tuple:
         TensorArg("ws", "float32", 2, align=4),
         StreamArg(),
     )
-
-
-def bgmv_fused_abi(dtype: str) -> tuple:
-    """ABI of the fused shrink + expand of small-batch plans (sm90; token-order pairs).
-
-      x, a, topk_ids, lora, s   as bgmv_shrink_abi (s is written)
-      b, topk_w, y              as bgmv_expand_abi
-      sync     (1 + max_ctas + P*R/8,) int32  launch generation, per-CTA arrival words and
-                                              per-shrink-item ready flags; zeroed once,
-                                              owned by one plan
-      max_ctas                  int32          co-resident CTA bound (SMs x ctas_per_sm)
-    """
-    return (
-        TensorArg("x", dtype, 2, align=8),
-        TensorArg("a", dtype, 4, align=8),
-        TensorArg("b", dtype, 4, align=8),
-        TensorArg("topk_ids", "int32", 2, align=1),
-        TensorArg("lora", "int32", 1, align=1),
-        TensorArg("topk_w", "float32", 2, align=1),
-        TensorArg("s", dtype, 2, align=8),
-        TensorArg("y", "float32", 2, align=4),
-        TensorArg("sync", "int32", 1, align=1),
-        ScalarArg("max_ctas", "int32"),
-        StreamArg(),
-    )

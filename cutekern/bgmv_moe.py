@@ -206,24 +206,6 @@ def _expand_function(dtype, finalize, device, after_shrink):
     return get_function("bgmv_expand", {"dtype": _DTYPES[dtype]}, flags, device)
 
 
-def _fused_function(dtype, finalize, device):
-    """The one-launch shrink + expand of small plans, where the target design has one."""
-    from .arch import target_arch, target_design
-    from .dispatch import get_function
-    from .registry import OPS
-    if target_design(target_arch(device)) not in OPS["bgmv_fused"].designs:
-        return None
-    return get_function("bgmv_fused", {"dtype": _DTYPES[dtype]}, {"finalize": bool(finalize)}, device)
-
-
-def _sync_buffer(fused_fn, p, r, device):
-    """Zeroed once: the fused kernel's launch generation, per-CTA arrival words and one
-    ready flag per shrink item (kernels/_sync.py); its flags never need resetting."""
-    per_sm = int(fused_fn.meta.get("config", {}).get("ctas_per_sm", 2))
-    max_ctas = torch.cuda.get_device_properties(device).multi_processor_count * per_sm
-    return torch.zeros(1 + max_ctas + p * (r // 8), dtype=torch.int32, device=device), max_ctas
-
-
 def _functions(dtype, finalize, device):
     from .dispatch import get_function
     return (get_function("bgmv_shrink", {"dtype": _DTYPES[dtype]}, {}, device),
@@ -235,15 +217,13 @@ class BgmvMoePlan:
     current stream with the tensors' current contents: it allocates nothing, never syncs
     the host and can be captured in a CUDA graph (one replay = shrink + expand)."""
 
-    def __init__(self, shrink_call, expand_call, shrink_out, out, meta, fused_call=None):
-        self._shrink, self._expand, self._fused = shrink_call, expand_call, fused_call
+    def __init__(self, shrink_call, expand_call, shrink_out, out, meta):
+        self._shrink, self._expand = shrink_call, expand_call
         self.shrink_out, self.out = shrink_out, out
         self.meta = meta
 
     def run(self):
-        if self._fused is not None:
-            self._fused.launch()
-        elif self._shrink is not None:
+        if self._shrink is not None:
             self._shrink.launch()
             self._expand.launch()
         return self.out
@@ -260,7 +240,7 @@ class BgmvMoePlan:
 
 def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
                      sorted_token_ids=None, finalize=True, out=None, shrink_out=None,
-                     check_indices=True, fused=None) -> BgmvMoePlan:
+                     check_indices=True) -> BgmvMoePlan:
     """Validate everything once and bind shrink + expand.
 
     x [T, H] (fp16/bf16), lora_a [L, E, r, H], lora_b [L, E, H_out, r] (same dtype),
@@ -270,9 +250,6 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
     (int32, optional): the pairs in expert-sorted order (padding entries >= T*k).
     ``check_indices`` checks the index values now (one device sync); run() never checks,
     so replays with new routing must keep ids in range (out-of-range pairs are skipped).
-    ``fused`` (None: automatic): small batches in token order run shrink and expand in one
-    launch where the design has that kernel (sm90); the results are bit-identical either way.
-    A fused plan owns a small sync buffer: do not run one plan on two streams at once.
     """
     op = "prepare_bgmv_moe"
     t, h, num_l, num_e, r = _check_x_a(op, x, lora_a)
@@ -290,20 +267,12 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
     y = out if out is not None else torch.empty((t, n) if finalize else (p, n), dtype=torch.float32,
                                                 device=dev)
     meta = {"T": t, "k": k, "P": p, "H": h, "N": n, "r": r, "L": num_l, "E": num_e,
-            "elem_bytes": x.element_size(), "finalize": finalize, "fused": False}
+            "elem_bytes": x.element_size(), "finalize": finalize}
     if t == 0:
         return BgmvMoePlan(None, None, s, y, meta)
-    w = _expand_weights(topk_weights, finalize, t, k, dev)
-    fused_fn = _fused_function(x.dtype, finalize, dev) if sorted_token_ids is None and fused is not False \
-        else None
-    if fused_fn is not None and p < int(fused_fn.meta.get("config", {}).get("max_pairs", 0)):
-        sync, max_ctas = _sync_buffer(fused_fn, p, r, dev)
-        fc = fused_fn.bind(x, lora_a, lora_b, topk_ids, lora_indices, w, s, y, sync, max_ctas)
-        plan = BgmvMoePlan(None, None, s, y, dict(meta, fused=True), fused_call=fc)
-        plan._keep = (w, sync)
-        return plan
     order = _order(sorted_token_ids, p, dev)
     shrink_fn, expand_fn = _functions(x.dtype, finalize, dev)
+    w = _expand_weights(topk_weights, finalize, t, k, dev)
     ws = _workspace(expand_fn, p, n, finalize, y, dev)
     sc = shrink_fn.bind(x, lora_a, topk_ids, lora_indices, order, s)
     ec = expand_fn.bind(s, lora_b, topk_ids, lora_indices, w, y, ws)

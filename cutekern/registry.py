@@ -153,15 +153,6 @@ OPS: dict = {
                                          if "after_shrink" in fl else {})),
         doc="MoE-LoRA expand: fixed-order weighted sum over a token's pairs, one owner per output",
     ),
-    "bgmv_fused": OpSpec(
-        name="bgmv_fused",
-        abi=_abi.bgmv_fused_abi,
-        designs={"sm90": DesignImpl("kernels.sm90.bgmv_fused", "BgmvFusedSm90", "BgmvFusedSm90Config")},
-        variants=tuple(((("dtype", dt),), (("finalize", f),))
-                       for dt in ("float16", "bfloat16") for f in (True, False)),
-        make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["finalize"], cfg),
-        doc="MoE-LoRA shrink + expand of a small-batch plan in one cooperative launch",
-    ),
 }
 
 

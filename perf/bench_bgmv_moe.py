@@ -53,9 +53,6 @@ def run_case(t, h, r, e, k, designs, reps):
         os.environ["CUTEKERN_DESIGN"] = d
         plan = prepare_bgmv_moe(x, a, b, ids, w, lora)
         times[f"cutekern_{d}"] = time_graph_ms(plan.run, reps=reps)
-        if plan.meta.get("fused"):  # the same plan as two launches (shrink, then expand)
-            two = prepare_bgmv_moe(x, a, b, ids, w, lora, fused=False)
-            times[f"cutekern_{d}_two_kernels"] = time_graph_ms(two.run, reps=reps)
         if t >= 256:
             sp = prepare_bgmv_moe(x, a, b, ids, w, lora, sorted_token_ids=expert_sorted(ids))
             times[f"cutekern_{d}_sorted"] = time_graph_ms(sp.run, reps=reps)

@@ -43,7 +43,6 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from kernels._mma import all_loaded, is_bf16, mma_block, words, zero_unless
-from kernels._sync import wait_flags
 from kernels.sm90._bin_scan import collect_next, keep_remainder, slab_ptr
 
 SASS_REQUIRED = ("LDG", "STG", "HMMA", "LDGSTS", "LDGDEPBAR", "VOTE")
@@ -219,83 +218,60 @@ class BgmvExpandSm90:
             slive = smem.allocate_tensor(cutlass.Int32, cute.make_layout((_MAX_K,)), 16)
             sw = smem.allocate_tensor(cutlass.Float32, cute.make_layout((_MAX_K,)), 16)
 
-        else:
-            sd = None
-            slive = None
-            sw = None
         for w in cutlass.range(bid, items, nblk):
             c = w // T
             t = w - c * T
-            self._pair_item(s, b, topk_ids, lora, topk_w, y, sv, bv, vec_atom, st_atom, sd, slive,
-                            sw, c, t, zmask, tidx, warp, lane, g, q, None, 0)
+            n0 = c * _CN
+            j = warp
+            p = t * K + j
+            lo = lora[t]
+            live = cutlass.Boolean(False)
+            # lane (g, q) ends with columns n0 + 8g + 2q, +1 (n-tile g of the chunk)
+            d = cute.make_rmem_tensor((2,), cutlass.Float32)
+            d.fill(0.0)
+            wj = cutlass.Float32(0.0)
+            if j < K:
+                if cutlass.const_expr(self.finalize):
+                    # the routing weight is loaded with the routing (off the critical path
+                    # that starts at the wait) and handed to the finalize through smem
+                    wj = topk_w[t, j]
+                ex = topk_ids[t, j]
+                live = (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)
+                if live:
+                    if R > _KB:
+                        self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
+                                        zmask, 2)
+                    else:
+                        self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
+                                        zmask, 1)
 
-    @cute.jit
-    def _pair_item(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
-                   lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor, sv, bv, vec_atom,
-                   st_atom, sd, slive, sw, c: cutlass.Int32, t: cutlass.Int32,
-                   zmask: cutlass.Int32, tidx: cutlass.Int32, warp: cutlass.Int32,
-                   lane: cutlass.Int32, g: cutlass.Int32, q: cutlass.Int32, flags,
-                   target: cutlass.Int32):
-        """Work item (column chunk c, token t) of the pair schedule. flags (the fused plan
-        kernel, kernels/sm90/bgmv_fused.py): warp j waits until the R / 8 ready flags of
-        its pair hold `target` before it loads s; None: s is there (or griddepcontrol)."""
-        K = topk_ids.shape[1]
-        L = b.shape[0]
-        E = b.shape[1]
-        N = b.shape[2]
-        R = b.shape[3]
-        nrv = R // _VEC
-        n0 = c * _CN
-        j = warp
-        p = t * K + j
-        lo = lora[t]
-        live = cutlass.Boolean(False)
-        # lane (g, q) ends with columns n0 + 8g + 2q, +1 (n-tile g of the chunk)
-        d = cute.make_rmem_tensor((2,), cutlass.Float32)
-        d.fill(0.0)
-        wj = cutlass.Float32(0.0)
-        if j < K:
             if cutlass.const_expr(self.finalize):
-                # the routing weight is loaded with the routing (off the critical path
-                # that starts at the wait) and handed to the finalize through smem
-                wj = topk_w[t, j]
-            ex = topk_ids[t, j]
-            live = (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)
-            if live:
-                if R > _KB:
-                    self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
-                                    zmask, flags, target, 2)
-                else:
-                    self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
-                                    zmask, flags, target, 1)
-
-        if cutlass.const_expr(self.finalize):
-            for e2 in cutlass.range_constexpr(2):
-                sd[8 * g + 2 * q + e2, j] = d[e2]
-            if lane == 0:
-                slive[j] = cutlass.Int32(live)
-                sw[j] = wj
-            cute.arch.sync_threads()
-            if tidx < _CN:
-                n = n0 + tidx
-                out = cutlass.Float32(0.0)
-                for jj in cutlass.range(K):
-                    if slive[jj] != 0:
-                        out = out + sw[jj] * sd[tidx, jj]
-                if n < N:
-                    y[t, n] = out
-            # the next item rewrites sd / slive
-            cute.arch.sync_threads()
-        else:
-            n = n0 + 8 * g + 2 * q
-            if (j < K) & (n < N):     # (n even, N % 8 == 0: n + 1 < N too)
-                cute.copy(st_atom, d, _pair_at(y, p, n))
+                for e2 in cutlass.range_constexpr(2):
+                    sd[8 * g + 2 * q + e2, j] = d[e2]
+                if lane == 0:
+                    slive[j] = cutlass.Int32(live)
+                    sw[j] = wj
+                cute.arch.sync_threads()
+                if tidx < _CN:
+                    n = n0 + tidx
+                    out = cutlass.Float32(0.0)
+                    for jj in cutlass.range(K):
+                        if slive[jj] != 0:
+                            out = out + sw[jj] * sd[tidx, jj]
+                    if n < N:
+                        y[t, n] = out
+                # the next item rewrites sd / slive
+                cute.arch.sync_threads()
+            else:
+                n = n0 + 8 * g + 2 * q
+                if (j < K) & (n < N):     # (n even, N % 8 == 0: n + 1 < N too)
+                    cute.copy(st_atom, d, _pair_at(y, p, n))
 
     @cute.jit
     def _pair_dots(self, sv, bv, vec_atom, d: cute.Tensor, p: cutlass.Int32, lo: cutlass.Int32,
                    ex: cutlass.Int32, n0: cutlass.Int32, N: cutlass.Int32, nrv: cutlass.Int32,
-                   g: cutlass.Int32, q: cutlass.Int32, zmask: cutlass.Int32, flags,
-                   target: cutlass.Int32, NB: cutlass.Constexpr):
+                   g: cutlass.Int32, q: cutlass.Int32, zmask: cutlass.Int32,
+                   NB: cutlass.Constexpr):
         """d = the chains of n-tile g of the chunk for pair p (NB k blocks of R)."""
         bf = cute.make_rmem_tensor((_VEC, NB, 8), self.dtype)
         sf = cute.make_rmem_tensor((_VEC, NB), self.dtype)
@@ -306,10 +282,7 @@ class BgmvExpandSm90:
             for kb in cutlass.range_constexpr(NB):
                 v = cutlass.min(4 * kb + q, nrv - 1)
                 cute.copy(vec_atom, bv[(None, (lo, ex, n, v))], bf[None, kb, i])
-        if cutlass.const_expr(flags is not None):
-            # the shrink items of pair p: n-tiles of 8 rows of R = nrv
-            wait_flags(flags, p * nrv, nrv, target)
-        elif cutlass.const_expr(self.pdl):
+        if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
         for kb in cutlass.range_constexpr(NB):
             v = cutlass.min(4 * kb + q, nrv - 1)

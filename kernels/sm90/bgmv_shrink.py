@@ -157,6 +157,7 @@ class BgmvShrinkSm90:
                lora: cute.Tensor, order: cute.Tensor, s: cute.Tensor):
         cfg = self.cfg
         NW = cfg.pair_warps
+        SB = cfg.seg_h // _KB                   # k blocks per segment
         if cutlass.const_expr(cfg.pdl):
             # a dependent kernel waits (griddepcontrol.wait) before it reads s
             cute.arch.griddepcontrol_launch_dependents()
@@ -177,6 +178,10 @@ class BgmvShrinkSm90:
         P = T * K
         Q = order.shape[0]
         NTL = R // 8
+        nvec = H // _VEC
+        nb = (H + _KB - 1) // _KB
+        nseg = (nb + SB - 1) // SB
+        rounds = (nseg + NW - 1) // NW
         items = Q * NTL
         zmask = cutlass.Int32(H) >> 30           # 0 at run time (H < 2^30), unknown to ptxas
 
@@ -202,70 +207,51 @@ class BgmvShrinkSm90:
                 lo = lora[t]
                 ex = topk_ids[t, pc - t * K]
             live = valid & (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)
-            self._pair_item(x, a, s, part, vec_atom, pc, t, nt, lo, ex, live, valid,
-                            zmask, tidx, warp, g, q)
-
-    @cute.jit
-    def _pair_item(self, x: cute.Tensor, a: cute.Tensor, s: cute.Tensor, part: cute.Tensor,
-                   vec_atom, pc: cutlass.Int32, t: cutlass.Int32, nt: cutlass.Int32,
-                   lo: cutlass.Int32, ex: cutlass.Int32, live: cutlass.Boolean,
-                   valid: cutlass.Boolean, zmask: cutlass.Int32, tidx: cutlass.Int32,
-                   warp: cutlass.Int32, g: cutlass.Int32, q: cutlass.Int32):
-        """s[pc, 8 nt .. 8 nt + 7] of pair pc (token t; 0 when not live; not written when
-        not valid): the CTA's warps take the H segments (module docstring)."""
-        cfg = self.cfg
-        NW = cfg.pair_warps
-        SB = cfg.seg_h // _KB                   # k blocks per segment
-        H = x.shape[1]
-        nvec = H // _VEC
-        nb = (H + _KB - 1) // _KB
-        nseg = (nb + SB - 1) // SB
-        rounds = (nseg + NW - 1) // NW
-        tot = cutlass.Float32(0.0)
-        if live:
-            r = nt * 8 + g
-            for rd in cutlass.range(rounds):
-                seg = rd * NW + warp
-                if seg < nseg:
-                    # lane (g, q) loads vector q of every k block of the segment from
-                    # one base per operand (immediate offsets: few address registers);
-                    # vectors past H stay zero
-                    h0 = seg * (SB * _KB) + _VEC * q
-                    xs = cute.make_tensor(
-                        x.iterator + cute.assume(t * x.stride[0] + h0, divby=_VEC),
-                        cute.make_layout((_VEC, SB), stride=(1, _KB)))
-                    as_ = cute.make_tensor(
-                        slab_ptr(a, lo, ex, _VEC) + cute.assume(r * a.stride[2] + h0, divby=_VEC),
-                        cute.make_layout((_VEC, SB), stride=(1, _KB)))
-                    xf = cute.make_rmem_tensor((_VEC, SB), self.dtype)
-                    af = cute.make_rmem_tensor((_VEC, SB), self.dtype)
-                    xf.fill(0.0)
-                    af.fill(0.0)
-                    for bb in cutlass.range_constexpr(SB):
-                        if (seg * SB + bb) * 4 + q < nvec:
-                            cute.copy(vec_atom, xs[None, bb], xf[None, bb])
-                            cute.copy(vec_atom, as_[None, bb], af[None, bb])
-                    # ptxas sinks each load down to its mma (one round trip per block)
-                    # unless the first mma depends on all of them: an always-zero term
-                    hold = all_loaded([xf, af], zmask)
-                    acc = cute.make_rmem_tensor((4,), cutlass.Float32)
-                    acc.fill(0.0)
-                    for bb in cutlass.range_constexpr(SB):
-                        xw = words(xf[None, bb])
-                        if cutlass.const_expr(bb == 0):
-                            xw[0] = xw[0] | hold
-                        mma_block(xw, xw, words(af[None, bb]), acc, self.bf16)
-                    if g == 0:
-                        part[warp, 2 * q] = acc[0]
-                        part[warp, 2 * q + 1] = acc[1]
-                cute.arch.sync_threads()
-                if tidx < 8:
-                    for ww in cutlass.range_constexpr(NW):
-                        if rd * NW + ww < nseg:
-                            tot = tot + part[ww, tidx]
-                cute.arch.sync_threads()
-        if valid & (tidx < 8):
-            s[pc, nt * 8 + tidx] = tot.to(self.dtype)   # 0 for a skipped pair
+            tot = cutlass.Float32(0.0)
+            if live:
+                r = nt * 8 + g
+                for rd in cutlass.range(rounds):
+                    seg = rd * NW + warp
+                    if seg < nseg:
+                        # lane (g, q) loads vector q of every k block of the segment from
+                        # one base per operand (immediate offsets: few address registers);
+                        # vectors past H stay zero
+                        h0 = seg * (SB * _KB) + _VEC * q
+                        xs = cute.make_tensor(
+                            x.iterator + cute.assume(t * x.stride[0] + h0, divby=_VEC),
+                            cute.make_layout((_VEC, SB), stride=(1, _KB)))
+                        as_ = cute.make_tensor(
+                            slab_ptr(a, lo, ex, _VEC) + cute.assume(r * a.stride[2] + h0, divby=_VEC),
+                            cute.make_layout((_VEC, SB), stride=(1, _KB)))
+                        xf = cute.make_rmem_tensor((_VEC, SB), self.dtype)
+                        af = cute.make_rmem_tensor((_VEC, SB), self.dtype)
+                        xf.fill(0.0)
+                        af.fill(0.0)
+                        for bb in cutlass.range_constexpr(SB):
+                            if (seg * SB + bb) * 4 + q < nvec:
+                                cute.copy(vec_atom, xs[None, bb], xf[None, bb])
+                                cute.copy(vec_atom, as_[None, bb], af[None, bb])
+                        # ptxas sinks each load down to its mma (one round trip per block)
+                        # unless the first mma depends on all of them: an always-zero term
+                        hold = all_loaded([xf, af], zmask)
+                        acc = cute.make_rmem_tensor((4,), cutlass.Float32)
+                        acc.fill(0.0)
+                        for bb in cutlass.range_constexpr(SB):
+                            xw = words(xf[None, bb])
+                            if cutlass.const_expr(bb == 0):
+                                xw[0] = xw[0] | hold
+                            mma_block(xw, xw, words(af[None, bb]), acc, self.bf16)
+                        if g == 0:
+                            part[warp, 2 * q] = acc[0]
+                            part[warp, 2 * q + 1] = acc[1]
+                    cute.arch.sync_threads()
+                    if tidx < 8:
+                        for ww in cutlass.range_constexpr(NW):
+                            if rd * NW + ww < nseg:
+                                tot = tot + part[ww, tidx]
+                    cute.arch.sync_threads()
+            if valid & (tidx < 8):
+                s[pc, nt * 8 + tidx] = tot.to(self.dtype)   # 0 for a skipped pair
 
     # ================================================================== bin schedule
     @cute.kernel

@@ -184,38 +184,6 @@ def test_one_bin_with_repeated_expert_ids(design):
     assert torch.equal(one.out, full.out[7:8])
 
 
-@pytest.mark.parametrize("finalize", [True, False])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,k,h,n,r", [(1, 6, 2688, 2688, 32), (8, 6, 2688, 2688, 32),
-                                       (63, 6, 2688, 2688, 32), (47, 8, 3080, 520, 64),
-                                       (20, 3, 1000, 1016, 24)])
-def test_fused_plan_equals_two_kernels(design, dtype, finalize, t, k, h, n, r):
-    """Small plans in token order run shrink + expand in one cooperative launch on sm90
-    (ready flags between the phases): bit for bit the two kernels' results, also over
-    repeated launches (the flags carry a launch generation instead of being reset) and with
-    two fused plans run in turn. T = 63 at k = 6 (P = 378) has many items per CTA."""
-    x, a, b, ids, w, lora = make(t, k, h, n, r, 8, 128, dtype, seed=t + 3 * k)
-    two = prepare_bgmv_moe(x, a, b, ids, w, lora, finalize=finalize, fused=False)
-    two.run()
-    other = run_plan(x[:1].contiguous(), a, b, ids[:1].contiguous(), w[:1].contiguous(),
-                     lora[:1].contiguous(), finalize=finalize)
-    one = run_plan(x, a, b, ids, w, lora, finalize=finalize)
-    assert not two.meta["fused"]
-    assert one.meta["fused"] == (design == "sm90") == other.meta["fused"]
-    check_shrink(one.shrink_out, x, a, ids, lora)
-    check_expand(one.out, one.shrink_out, b, ids, lora, w if finalize else None)
-    other_s, other_y = other.shrink_out.clone(), other.out.clone()
-    for _ in range(3):
-        for p in (one, other):
-            p.shrink_out.fill_(float("nan"))
-            p.out.fill_(float("nan"))
-            p.run()
-        torch.cuda.synchronize()
-        assert torch.equal(one.shrink_out, two.shrink_out) and torch.equal(one.out, two.out)
-        assert torch.equal(other.shrink_out, other_s) and torch.equal(other.out, other_y)
-    assert torch.equal(other.shrink_out, two.shrink_out[:k]) and torch.equal(other.out, two.out[:other.out.shape[0]])
-
-
 @pytest.mark.parametrize("t", [32, 700])
 def test_graph_replay_with_new_contents(design, t, warm_graph_pool):
     k, h, n, r, num_l, num_e = 6, 2688, 2688, 32, 8, 128
