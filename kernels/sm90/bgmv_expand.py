@@ -103,6 +103,7 @@ class BgmvExpandSm90Config:
                                    # stages are issued before its pair scan (0: never)
     fin_threads: int = 128         # finalize pass: 4 columns per thread
     fin_ctas_per_sm: int = 8
+    fin_pdl: bool = True           # the finalize pass launches with PDL after the bin kernel
     pdl: bool = True
     bin_pdl: bool = True           # the bin kernel too (after_shrink variants; the shrink's
                                    # bin kernel triggers at entry): its CTAs take the SMs the
@@ -170,7 +171,8 @@ class BgmvExpandSm90:
                 f_items = T * ((N + fcols - 1) // fcols)
                 f_grid = cutlass.max(cutlass.min(f_items, cfg.num_sms * cfg.fin_ctas_per_sm), 1)
                 self.fin_kernel(topk_ids, lora, topk_w, ws, y, b.shape[0], b.shape[1]).launch(
-                    grid=[f_grid, 1, 1], block=[cfg.fin_threads, 1, 1], stream=stream)
+                    grid=[f_grid, 1, 1], block=[cfg.fin_threads, 1, 1], stream=stream,
+                    use_pdl=cfg.fin_pdl)
             else:
                 self.bin_kernel(s, b, topk_ids, lora, y).launch(
                     grid=[b_grid, 1, 1], block=[cfg.bin_threads, 1, 1], stream=stream,
@@ -312,6 +314,9 @@ class BgmvExpandSm90:
         """out[p, n] = d[p, n] for the live pairs (out = ws when finalize, else y; y rows of
         dead pairs are zeroed when not finalize). Work item = one (adapter, expert) bin."""
         cfg = self.cfg
+        if cutlass.const_expr(self.finalize and cfg.fin_pdl):
+            # the finalize pass (launched with PDL) waits for this grid before it reads ws
+            cute.arch.griddepcontrol_launch_dependents()
         NT, S, SU = cfg.bin_threads, cfg.bin_stages, cfg.bin_scan_unroll
         G = 16 * cfg.bin_mtiles
         CN = cfg.bin_cols
@@ -558,6 +563,10 @@ class BgmvExpandSm90:
                                    num_bits_per_copy=128)
         wsv = cute.zipped_divide(ws, (1, 4))     # ((1, 4), (P, N / 4))
         yv = cute.zipped_divide(y, (1, 4))       # ((1, 4), (T, N / 4))
+        if cutlass.const_expr(self.cfg.fin_pdl):
+            # launched with PDL after the bin kernel that writes ws (always the kernel
+            # before it): everything up to here overlapped that kernel's end
+            cute.arch.griddepcontrol_wait()
         for w in cutlass.range(bid, items, nblk):
             t = w // nfc
             fc = w - t * nfc
@@ -566,14 +575,25 @@ class BgmvExpandSm90:
             o = cute.make_rmem_tensor((4,), cutlass.Float32)
             o.fill(0.0)
             if n4 * 4 < N:
-                for jj in cutlass.range(K):
-                    ex = topk_ids[t, jj]
-                    if (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E):
-                        wv = topk_w[t, jj]
-                        dv = cute.make_rmem_tensor((4,), cutlass.Float32)
-                        cute.copy(atom, wsv[(None, (t * K + jj, n4))], dv)
+                # every slot's routing, then every live slot's ws vector, in flight together
+                # (a loop over k would wait for each in turn); then the sum in slot order
+                dv = cute.make_rmem_tensor((4, _MAX_K), cutlass.Float32)
+                wv = cute.make_rmem_tensor((_MAX_K,), cutlass.Float32)
+                lv = cute.make_rmem_tensor((_MAX_K,), cutlass.Int32)
+                for jj in cutlass.range_constexpr(_MAX_K):
+                    lv[jj] = cutlass.Int32(0)
+                    wv[jj] = cutlass.Float32(0.0)
+                    if jj < K:
+                        ex = topk_ids[t, jj]
+                        lv[jj] = cutlass.Int32((lo >= 0) & (lo < L) & (ex >= 0) & (ex < E))
+                        wv[jj] = topk_w[t, jj]
+                for jj in cutlass.range_constexpr(_MAX_K):
+                    if lv[jj] != 0:
+                        cute.copy(atom, wsv[(None, (t * K + jj, n4))], dv[None, jj])
+                for jj in cutlass.range_constexpr(_MAX_K):
+                    if lv[jj] != 0:
                         for e4 in cutlass.range_constexpr(4):
                             out = o[e4]
-                            out = out + wv * dv[e4]
+                            out = out + wv[jj] * dv[e4, jj]
                             o[e4] = out
                 cute.copy(atom, o, yv[(None, (t, n4))])
