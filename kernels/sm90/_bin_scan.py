@@ -182,3 +182,43 @@ def collect_next(lora: cute.Tensor, topk_ids: cute.Tensor, l_b: cutlass.Int32,
             base = tb * K
             pend = cutlass.min(tb + 4 * NT, T) * K
     return nl, tb, base, pend, pm
+
+
+# ---------------------------------------------------------------- dynamic bin order
+# A bin's cost is its weight slab (the same for every non-empty bin), and which bins are
+# empty depends on the routing, so a static grid stride leaves the CTA with the most
+# non-empty bins running alone at the end (T=256: ~78% of the bins are live, a CTA with 4
+# live bins of its 3.9 sets the time of a grid whose mean is 3). CTAs claim bins instead,
+# from an int32 counter pair `work` (zero before the launch; the last CTA zeroes it again).
+# The order bins run in changes no result: a bin's outputs depend only on its own pairs.
+
+@cute.jit
+def claim_bin(work: cute.Tensor, tidx: cutlass.Int32):
+    """Thread 0: claim the next bin (issued early; its value is read by `next_bin`)."""
+    nxt = cutlass.Int32(0)
+    if tidx == 0:
+        nxt = cute.arch.atomic_add(work.iterator, cutlass.Int32(1))
+    return nxt
+
+
+@cute.jit
+def next_bin(sclaim: cute.Tensor, nxt: cutlass.Int32, nblk: cutlass.Int32,
+             tidx: cutlass.Int32):
+    """The CTA's next bin: the first nblk bins are the CTAs' own, then claims in order.
+    Call after a CTA barrier that follows every read of the previous value."""
+    if tidx == 0:
+        sclaim[0] = nblk + nxt
+    cute.arch.sync_threads()
+    return sclaim[0]
+
+
+@cute.jit
+def release_claims(work: cute.Tensor, nblk: cutlass.Int32, tidx: cutlass.Int32):
+    """After the CTA's last claim: the last CTA of the grid zeroes the counters for the next
+    launch (every CTA's claims precede its increment of work[1])."""
+    if tidx == 0:
+        fin = cute.arch.atomic_add(work.iterator + 1, cutlass.Int32(1), sem="acq_rel",
+                                   scope="gpu")
+        if fin == nblk - 1:
+            work[0] = cutlass.Int32(0)
+            work[1] = cutlass.Int32(0)
