@@ -148,8 +148,6 @@ def bgmv_shrink_abi(dtype: str) -> tuple:
       order    (Q,)          int32   pair indices in processing order; entries outside
                                      [0, T*k) are padding and skipped
       s        (P, R)        dtype   s[p] = cvt(x[t] @ a[lora[t], e(p)]^T); 0 when skipped
-      work     (2,)          int32   bin-claim counters of the large-T schedule (sm90): zero
-                                     before a launch, zero again after it
     """
     return (
         TensorArg("x", dtype, 2, align=8),
@@ -158,7 +156,6 @@ def bgmv_shrink_abi(dtype: str) -> tuple:
         TensorArg("lora", "int32", 1, align=1),
         TensorArg("order", "int32", 1, align=1),
         TensorArg("s", dtype, 2, align=8),
-        TensorArg("work", "int32", 1, align=1),
         StreamArg(),
     )
 
@@ -176,7 +173,6 @@ def bgmv_expand_abi(dtype: str) -> tuple:
                rows of skipped tokens / pairs are written as 0
       ws       (P, N) fp32   workspace of the bin-grouped large-T schedule (finalize):
                per-pair deltas, summed per token in a fixed order by a second pass
-      work     (2,)          int32   bin-claim counters, as in bgmv_shrink_abi
     """
     return (
         TensorArg("s", dtype, 2, align=8),
@@ -186,6 +182,5 @@ def bgmv_expand_abi(dtype: str) -> tuple:
         TensorArg("topk_w", "float32", 2, align=1),
         TensorArg("y", "float32", 2, align=4),
         TensorArg("ws", "float32", 2, align=4),
-        TensorArg("work", "int32", 1, align=1),
         StreamArg(),
     )

@@ -170,23 +170,6 @@ def _workspace(expand_fn, p, n, finalize, y, device):
     return torch.empty(rows, n, dtype=torch.float32, device=device)
 
 
-_ONESHOT_WORK: dict = {}
-
-
-def _work(device, oneshot):
-    """Bin-claim counters of the sm90 large-T kernels (kernels/sm90/_bin_scan.py): [0:2] for
-    the shrink, [2:4] for the expand; zero before a launch and zero after it. A plan owns
-    its own; one-shot calls share one per (device, stream), since launches on one stream
-    never overlap (a fresh one while a CUDA graph is being captured: the capture owns it)."""
-    if not oneshot or torch.cuda.is_current_stream_capturing():
-        return torch.zeros(4, dtype=torch.int32, device=device)
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    w = _ONESHOT_WORK.get(key)
-    if w is None:
-        w = _ONESHOT_WORK[key] = torch.zeros(4, dtype=torch.int32, device=device)
-    return w
-
-
 def _check_order(op, sorted_token_ids, dev):
     if sorted_token_ids is not None:
         _tensor(op, "sorted_token_ids", sorted_token_ids, torch.int32, 1)
@@ -291,11 +274,10 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
     shrink_fn, expand_fn = _functions(x.dtype, finalize, dev)
     w = _expand_weights(topk_weights, finalize, t, k, dev)
     ws = _workspace(expand_fn, p, n, finalize, y, dev)
-    work = _work(dev, oneshot=False)
-    sc = shrink_fn.bind(x, lora_a, topk_ids, lora_indices, order, s, work[:2])
-    ec = expand_fn.bind(s, lora_b, topk_ids, lora_indices, w, y, ws, work[2:])
+    sc = shrink_fn.bind(x, lora_a, topk_ids, lora_indices, order, s)
+    ec = expand_fn.bind(s, lora_b, topk_ids, lora_indices, w, y, ws)
     plan = BgmvMoePlan(sc, ec, s, y, meta)
-    plan._keep = (order, w, ws, work)
+    plan._keep = (order, w, ws)
     return plan
 
 
@@ -323,8 +305,7 @@ def _shrink_impl(x, lora_a, topk_ids, lora_indices, sorted_token_ids, out, check
         return s
     from .dispatch import get_function
     fn = get_function("bgmv_shrink", {"dtype": _DTYPES[x.dtype]}, {}, x.device)
-    fn(x, lora_a, topk_ids, lora_indices, _order(sorted_token_ids, p, x.device), s,
-       _work(x.device, oneshot=True)[:2])
+    fn(x, lora_a, topk_ids, lora_indices, _order(sorted_token_ids, p, x.device), s)
     return s
 
 
@@ -364,7 +345,7 @@ def _expand_impl(s, lora_b, topk_ids, lora_indices, topk_weights, finalize, out,
         return y
     fn = _expand_function(s.dtype, finalize, s.device, after_shrink=False)
     fn(s, lora_b, topk_ids, lora_indices, _expand_weights(topk_weights, finalize, t, k, s.device),
-       y, _workspace(fn, t * k, n, finalize, y, s.device), _work(s.device, oneshot=True)[2:])
+       y, _workspace(fn, t * k, n, finalize, y, s.device))
     return y
 
 

@@ -122,7 +122,7 @@ class BgmvExpandAda:
     @cute.jit
     def __call__(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
                  lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor, ws: cute.Tensor,
-                 work: cute.Tensor, stream: cuda.CUstream):
+                 stream: cuda.CUstream):
         T = lora.shape[0]
         N = b.shape[2]
         gt = cutlass.min(cutlass.max(T // self.config.t_per_group_div, cutlass.Int32(1)),

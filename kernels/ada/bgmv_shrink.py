@@ -142,7 +142,7 @@ class BgmvShrinkAda:
     @cute.jit
     def __call__(self, x: cute.Tensor, a: cute.Tensor, topk_ids: cute.Tensor,
                  lora: cute.Tensor, order: cute.Tensor, s: cute.Tensor,
-                 work: cute.Tensor, stream: cuda.CUstream):
+                 stream: cuda.CUstream):
         R = a.shape[2]
         Q = order.shape[0]
         gsz = cutlass.min(cutlass.max(Q // self.config.q_per_group_div, cutlass.Int32(1)),

@@ -143,7 +143,7 @@ class BgmvExpandSm100:
     @cute.jit
     def __call__(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
                  lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor,
-                 ws: cute.Tensor, work: cute.Tensor, stream: cuda.CUstream):
+                 ws: cute.Tensor, stream: cuda.CUstream):
         if cutlass.const_expr(s.element_type != self.dtype or b.element_type != self.dtype):
             raise TypeError("s / b dtype does not match the compiled dtype")
         if cutlass.const_expr(y.element_type != cutlass.Float32

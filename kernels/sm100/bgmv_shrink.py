@@ -139,7 +139,7 @@ class BgmvShrinkSm100:
     @cute.jit
     def __call__(self, x: cute.Tensor, a: cute.Tensor, topk_ids: cute.Tensor,
                  lora: cute.Tensor, order: cute.Tensor, s: cute.Tensor,
-                 work: cute.Tensor, stream: cuda.CUstream):
+                 stream: cuda.CUstream):
         if cutlass.const_expr(x.element_type != self.dtype or a.element_type != self.dtype
                               or s.element_type != self.dtype):
             raise TypeError("x / a / s dtype does not match the compiled dtype")

@@ -43,11 +43,10 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from kernels._mma import all_loaded, is_bf16, mma_block, words, zero_unless
-from kernels.sm90._bin_scan import (claim_bin, collect_next, keep_remainder, next_bin,
-                                    release_claims, slab_ptr)
+from kernels.sm90._bin_scan import collect_next, keep_remainder, slab_ptr
 
 SASS_REQUIRED = ("LDG", "STG", "HMMA", "LDGSTS", "LDGDEPBAR", "VOTE")
-SASS_FORBIDDEN = ("ATOMS", "RED", "REDG", "STL", "LDL")  # ATOMG: the bin claims only (tests)
+SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
 
 _DTYPES = (cutlass.Float16, cutlass.BFloat16)
 _VEC = 8            # elements per 16-byte vector
@@ -150,7 +149,7 @@ class BgmvExpandSm90:
     @cute.jit
     def __call__(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
                  lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor, ws: cute.Tensor,
-                 work: cute.Tensor, stream: cuda.CUstream):
+                 stream: cuda.CUstream):
         cfg = self.cfg
         T = lora.shape[0]
         N = b.shape[2]
@@ -163,7 +162,7 @@ class BgmvExpandSm90:
             b_grid = cutlass.max(cutlass.min(b_items, cfg.num_sms * cfg.bin_ctas_per_sm), 1)
             if cutlass.const_expr(self.finalize):
                 # per-pair deltas to ws, then the fixed-order per-token sum into y
-                self.bin_kernel(s, b, topk_ids, lora, ws, work).launch(
+                self.bin_kernel(s, b, topk_ids, lora, ws).launch(
                     grid=[b_grid, 1, 1], block=[cfg.bin_threads, 1, 1], stream=stream,
                     min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100,
                     use_pdl=self.pdl and cfg.bin_pdl)
@@ -173,7 +172,7 @@ class BgmvExpandSm90:
                 self.fin_kernel(topk_ids, lora, topk_w, ws, y, b.shape[0], b.shape[1]).launch(
                     grid=[f_grid, 1, 1], block=[cfg.fin_threads, 1, 1], stream=stream)
             else:
-                self.bin_kernel(s, b, topk_ids, lora, y, work).launch(
+                self.bin_kernel(s, b, topk_ids, lora, y).launch(
                     grid=[b_grid, 1, 1], block=[cfg.bin_threads, 1, 1], stream=stream,
                     min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100,
                     use_pdl=self.pdl and cfg.bin_pdl)
@@ -309,7 +308,7 @@ class BgmvExpandSm90:
     # ================================================================== bin schedule
     @cute.kernel
     def bin_kernel(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
-                   lora: cute.Tensor, out: cute.Tensor, work: cute.Tensor):
+                   lora: cute.Tensor, out: cute.Tensor):
         """out[p, n] = d[p, n] for the live pairs (out = ws when finalize, else y; y rows of
         dead pairs are zeroed when not finalize). Work item = one (adapter, expert) bin."""
         cfg = self.cfg
@@ -336,7 +335,6 @@ class BgmvExpandSm90:
         sB = smem.allocate_tensor(self.dtype, cute.make_layout((S * CN * _R_MAX,)), 128)
         slist = smem.allocate_tensor(cutlass.Int32, cute.make_layout((CAP,)), 16)
         swc = smem.allocate_tensor(cutlass.Int32, cute.make_layout((SU * NWP + 1,)), 16)
-        sclaim = smem.allocate_tensor(cutlass.Int32, cute.make_layout((1,)), 16)
 
         if cutlass.const_expr(not self.finalize):
             # dead pairs: their y rows are zero (one warp per pair)
@@ -355,9 +353,7 @@ class BgmvExpandSm90:
         pre = cutlass.Boolean(False)
         if cutlass.const_expr(cfg.bin_prefetch_min > 0):
             pre = P >= cfg.bin_prefetch_min * L * E
-        w = bid
-        while w < items:
-            nxt = claim_bin(work, tidx)
+        for w in cutlass.range(bid, items, nblk):
             l_b = w // E
             e_b = w - l_b * E
             # specialized on the number of k blocks of R: R <= 32 holds one block of s
@@ -369,8 +365,6 @@ class BgmvExpandSm90:
             else:
                 self.bin_item(s, b, out, sB, slist, swc, lora, topk_ids, l_b, e_b, N, P, K,
                               tidx, warp, lane, pre, 1)
-            w = next_bin(sclaim, nxt, nblk, tidx)
-        release_claims(work, nblk, tidx)
 
     @cute.jit
     def bin_item(self, s, b, out, sB, slist, swc, lora, topk_ids, l_b, e_b, N, P, K, tidx,

@@ -44,11 +44,10 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from kernels._mma import all_loaded, is_bf16, mma_block, words
-from kernels.sm90._bin_scan import (claim_bin, collect_next, keep_remainder, next_bin,
-                                    release_claims, slab_ptr)
+from kernels.sm90._bin_scan import collect_next, keep_remainder, slab_ptr
 
 SASS_REQUIRED = ("LDG", "HMMA", "LDGSTS", "LDGDEPBAR", "VOTE")
-SASS_FORBIDDEN = ("ATOMS", "RED", "REDG", "STL", "LDL")  # ATOMG: the bin claims only (tests)
+SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
 
 _DTYPES = (cutlass.Float16, cutlass.BFloat16)
 _VEC = 8      # elements per 16-byte vector
@@ -131,7 +130,7 @@ class BgmvShrinkSm90:
     @cute.jit
     def __call__(self, x: cute.Tensor, a: cute.Tensor, topk_ids: cute.Tensor,
                  lora: cute.Tensor, order: cute.Tensor, s: cute.Tensor,
-                 work: cute.Tensor, stream: cuda.CUstream):
+                 stream: cuda.CUstream):
         cfg = self.cfg
         Q = order.shape[0]
         R = a.shape[2]
@@ -142,7 +141,7 @@ class BgmvShrinkSm90:
         if use_bin:
             b_items = a.shape[0] * a.shape[1]
             b_grid = cutlass.max(cutlass.min(b_items, cfg.num_sms * cfg.bin_ctas_per_sm), 1)
-            self.bin_kernel(x, a, topk_ids, lora, s, work).launch(
+            self.bin_kernel(x, a, topk_ids, lora, s).launch(
                 grid=[b_grid, 1, 1], block=[32 * cfg.bin_warps, 1, 1], stream=stream,
                 min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100)
         else:
@@ -257,7 +256,7 @@ class BgmvShrinkSm90:
     # ================================================================== bin schedule
     @cute.kernel
     def bin_kernel(self, x: cute.Tensor, a: cute.Tensor, topk_ids: cute.Tensor,
-                   lora: cute.Tensor, s: cute.Tensor, work: cute.Tensor):
+                   lora: cute.Tensor, s: cute.Tensor):
         cfg = self.cfg
         if cutlass.const_expr(cfg.pdl):
             # a plan's expand (launched with PDL) may take the SMs this grid's CTAs leave;
@@ -287,7 +286,6 @@ class BgmvShrinkSm90:
         sX = smem.allocate_tensor(self.dtype, cute.make_layout((S * G * 2 * HC,)), 128)
         slist = smem.allocate_tensor(cutlass.Int32, cute.make_layout((CAP,)), 16)
         swc = smem.allocate_tensor(cutlass.Int32, cute.make_layout((SU * BW + 1,)), 16)
-        sclaim = smem.allocate_tensor(cutlass.Int32, cute.make_layout((1,)), 16)
 
         # ---- dead pairs (skipped adapter / expert): their s rows are zero
         for p in cutlass.range(bid * NT + tidx, P, nblk * NT):
@@ -304,9 +302,7 @@ class BgmvShrinkSm90:
         pre = cutlass.Boolean(False)
         if cutlass.const_expr(cfg.bin_prefetch_min > 0):
             pre = P >= cfg.bin_prefetch_min * L * E
-        w = bid
-        while w < items:
-            nxt = claim_bin(work, tidx)
+        for w in cutlass.range(bid, items, nblk):
             l_b = w // E
             e_b = w - l_b * E
             if R > 32:
@@ -315,8 +311,6 @@ class BgmvShrinkSm90:
             else:
                 self.bin_item(x, a, s, sA, sX, slist, swc, lora, topk_ids, l_b, e_b, P, K,
                               tidx, warp, lane, pre, 32)
-            w = next_bin(sclaim, nxt, nblk, tidx)
-        release_claims(work, nblk, tidx)
 
     @cute.jit
     def bin_item(self, x, a, s, sA, sX, slist, swc, lora, topk_ids, l_b, e_b, P, K, tidx,
