@@ -120,7 +120,7 @@ def _bgmv(row):
         if not good:
             print(f"  WRONG bgmv T={t}", flush=True)
         ok &= good
-    for t in (1, 4, 8, 32, 256, 1024, 2048):
+    for t in (1, 4, 8, 32, 256, 512, 1024, 2048):
         x, a, b, ids, w, lora = problem(t, 2688, 32, 128, 6, t)
         p = prepare_bgmv_moe(x, a, b, ids, w, lora)
         row[f"T{t}_us"] = round(1e3 * time_graph_ms(p.run, reps=20), 2)

@@ -93,12 +93,14 @@ class BgmvExpandSm90Config:
     ctas_per_sm: int = 2
     bin_mode: bool = True          # False: always the pair schedule
     bin_min_pairs: int = 384       # P = T * k from which the bin schedule runs
-    bin_threads: int = 256
-    bin_cols: int = 128            # output columns per ring stage (R > 32; twice at R <= 32)
+    bin_threads: int = 128         # 4 warps x 4 CTAs per SM (was 8 x 2 with 128 columns per
+                                   # stage: T=256 101.9 -> 97.8 us, T=512 118.5 -> 117.2,
+                                   # T=1024 and 2048 within 0.5%; tune_memops_h200_bgmv_rings3)
+    bin_cols: int = 64             # output columns per ring stage (R > 32; twice at R <= 32)
     bin_mtiles: int = 1            # 16-pair m-tiles per group
     bin_stages: int = 4            # cp.async ring depth (column chunks of the bin's B slab)
     bin_scan_unroll: int = 4       # pair-table entries per thread per scan round
-    bin_ctas_per_sm: int = 2
+    bin_ctas_per_sm: int = 4
     bin_prefetch_min: int = 2      # pairs per bin (P / (L * E)) from which a bin's first B
                                    # stages are issued before its pair scan (0: never)
     fin_threads: int = 128         # finalize pass: 4 columns per thread
