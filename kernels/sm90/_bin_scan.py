@@ -182,3 +182,42 @@ def collect_next(lora: cute.Tensor, topk_ids: cute.Tensor, l_b: cutlass.Int32,
             base = tb * K
             pend = cutlass.min(tb + 4 * NT, T) * K
     return nl, tb, base, pend, pm
+
+
+@cute.jit
+def run_bin(group, lora: cute.Tensor, topk_ids: cute.Tensor, l_b: cutlass.Int32,
+            e_b: cutlass.Int32, P: cutlass.Int32, K: cutlass.Int32, slist: cute.Tensor,
+            swc: cute.Tensor, tidx: cutlass.Int32, warp: cutlass.Int32, lane: cutlass.Int32,
+            first: cutlass.Boolean, NT: cutlass.Constexpr, NW: cutlass.Constexpr,
+            SU: cutlass.Constexpr, G: cutlass.Constexpr):
+    """The pairs of bin (l_b, e_b), in groups: collect them round by round (token rounds; a
+    round whose hits would overflow the list is collected again in pair rounds) and call
+    group(off, n, first) for each full group of G as soon as it is listed, then for the
+    remainder. first: the next group finds its weight stages already issued (the caller's
+    prefetch before the scan); an empty bin waits for those before the ring is reused. Ends
+    with a CTA barrier. group has one call site in the round loop: it is inlined, and
+    registers count."""
+    nl = cutlass.Int32(0)            # pairs collected, not yet processed (CTA-uniform)
+    T = P // K
+    CAP = NT * SU + G
+    tb = cutlass.Int32(0)
+    base = cutlass.Int32(0)
+    pend = cutlass.Int32(0)
+    pm = cutlass.Boolean(False)
+    while tb < T:
+        nl, tb, base, pend, pm = collect_next(lora, topk_ids, l_b, e_b, T, K, nl, tb, base,
+                                              pend, pm, slist, swc, tidx, warp, lane, NT,
+                                              NW, SU, CAP)
+        # full groups now; the remainder (< G) waits for the next round
+        ng = nl // G
+        for gi in cutlass.range(ng):
+            group(gi * G, G, first)
+            first = cutlass.Boolean(False)
+        nl = keep_remainder(slist, nl, ng, G, tidx)
+    if nl > 0:
+        group(0, nl, first)
+        first = cutlass.Boolean(False)
+    if first:
+        # an empty bin: its prefetched stages land before the ring is reused
+        cute.arch.cp_async_wait_group(0)
+    cute.arch.sync_threads()

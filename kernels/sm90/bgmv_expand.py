@@ -43,7 +43,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from kernels._mma import all_loaded, is_bf16, mma_block, words, zero_unless
-from kernels.sm90._bin_scan import collect_next, keep_remainder, slab_ptr
+from kernels.sm90._bin_scan import run_bin, slab_ptr
 
 SASS_REQUIRED = ("LDG", "STG", "HMMA", "LDGSTS", "LDGDEPBAR", "VOTE")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
@@ -387,35 +387,10 @@ class BgmvExpandSm90:
                 if st < nch:
                     self.bin_load_stage(b, slab, sB, N, nrv, st, st, tidx, NB)
                 cute.arch.cp_async_commit_group()
-        first = pre                      # the next group finds its B stages issued
-        nl = cutlass.Int32(0)
-        T = P // K
-        CAP = NT * SU + G
-        # token rounds; a round whose hits would overflow the list is collected again in
-        # pair rounds (collect_next). One call site of bin_group in the loop: it is inlined,
-        # and registers count.
-        tb = cutlass.Int32(0)
-        base = cutlass.Int32(0)
-        pend = cutlass.Int32(0)
-        pm = cutlass.Boolean(False)
-        while tb < T:
-            nl, tb, base, pend, pm = collect_next(lora, topk_ids, l_b, e_b, T, K, nl, tb, base,
-                                                  pend, pm, slist, swc, tidx, warp, lane, NT,
-                                                  NWP, SU, CAP)
-            # full groups now; the remainder (< G) waits for the next round
-            ng = nl // G
-            for gi in cutlass.range(ng):
-                self.bin_group(s, b, out, sB, slist, gi * G, G, l_b, e_b, N, tidx, warp, lane,
-                               first, NB)
-                first = cutlass.Boolean(False)
-            nl = keep_remainder(slist, nl, ng, G, tidx)
-        if nl > 0:
-            self.bin_group(s, b, out, sB, slist, 0, nl, l_b, e_b, N, tidx, warp, lane, first, NB)
-            first = cutlass.Boolean(False)
-        if first:
-            # an empty bin: its prefetched stages land before the ring is reused
-            cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
+        run_bin(lambda off, n, f: self.bin_group(s, b, out, sB, slist, off, n, l_b, e_b, N,
+                                                  tidx, warp, lane, f, NB),
+                lora, topk_ids, l_b, e_b, P, K, slist, swc, tidx, warp, lane, pre, NT, NWP,
+                SU, G)
 
     @staticmethod
     def _sw(slot, row, ch, CN: int, NB: int):
