@@ -19,6 +19,7 @@ C / D: c0, c1 = D[g][2q, 2q+1], c2, c3 = D[g+8][2q, 2q+1].
 from __future__ import annotations
 
 import cutlass
+import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -78,7 +79,6 @@ def all_loaded(frags, zmask):
     operand keeps all their loads in flight before the chain: without it ptxas sinks each
     16-byte load down to its mma.sync, one memory round trip per k block. (An XOR tree, not
     a chain: it sits on the critical path between the last load and the first mma.)"""
-    import cutlass.cute as cute
     vals = []
     for f in frags:
         w = f.load().bitcast(Int32)

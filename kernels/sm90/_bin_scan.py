@@ -152,7 +152,6 @@ def slab_ptr(w: cute.Tensor, l_b, e_b, vec: int):
                                     divby=vec)
 
 
-
 @cute.jit
 def collect_next(lora: cute.Tensor, topk_ids: cute.Tensor, l_b: cutlass.Int32,
                  e_b: cutlass.Int32, T: cutlass.Int32, K: cutlass.Int32, nl: cutlass.Int32,
