@@ -43,8 +43,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from kernels._mma import all_loaded, is_bf16, mma_block, words, zero_unless
-from kernels._scan import cta_prefix
-from kernels.sm90._bin_scan import collect_next, run_bin, slab_ptr
+from kernels.sm90._bin_scan import run_bin, slab_ptr
 
 SASS_REQUIRED = ("LDG", "STG", "HMMA", "LDGSTS", "LDGDEPBAR", "VOTE")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
@@ -66,62 +65,10 @@ def _pair_at(y, row, col):
                             cute.make_layout(2))
 
 
-_BIG = 0x7FFFFFFF   # sort key of a dead slot (after every expert id)
-
-
-@cute.jit
-def _slot_key(topk_ids: cute.Tensor, t: cutlass.Int32, K: cutlass.Int32, lo: cutlass.Int32,
-              L: cutlass.Int32, E: cutlass.Int32, jj: cutlass.Int32):
-    """Sort key of slot jj of token t: its expert id when the pair is live, else _BIG."""
-    key = cutlass.Int32(_BIG)
-    if jj < K:
-        ex = topk_ids[t, jj]
-        if (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E):
-            key = ex
-    return key
-
-
-@cute.jit
-def _slot_rank(topk_ids: cute.Tensor, t: cutlass.Int32, K: cutlass.Int32, lo: cutlass.Int32,
-               L: cutlass.Int32, E: cutlass.Int32, j: cutlass.Int32, lane: cutlass.Int32):
-    """Rank of slot j (warp-uniform, < K) among the k slots of token t ordered by (key, slot)
-    (_slot_key); j itself when j >= K. Lane jj holds slot jj's key; one ballot."""
-    kl = _slot_key(topk_ids, t, K, lo, L, E, lane)
-    km = _slot_key(topk_ids, t, K, lo, L, E, j)
-    before = (lane < K) & ((kl < km) | ((kl == km) & (lane < j)))
-    rho = cute.arch.popc(cutlass.Int32(cute.arch.vote_ballot_sync(before)))
-    return cutlass.Int32(cutlass.select_(j < K, rho, j))
-
-
 def _bin_smem_bytes(c) -> int:
     ring = c.bin_stages * c.bin_cols * _R_MAX * 2
     return ring + 4 * (c.bin_threads * c.bin_scan_unroll + 16 * c.bin_mtiles) \
         + 4 * c.bin_scan_unroll * (c.bin_threads // 32) + 1024
-
-
-_LE_MAX = 16 * 512   # adapters x experts (the ABI's limits): the column pass's bin table
-
-
-def _col_smem_bytes(c) -> int:
-    nc = 8 * c.col_warps
-    ring = c.col_stages * c.col_group * ((16 + nc) * _R_MAX * 2 + 16 * 8)
-    return 4 * c.col_tokens * nc + 4 * c.col_units + ring + 1024
-
-
-def _col_offsets(P, nr, LE, UC, R):
-    """Int32 offsets of the column pass's scratch inside ws (finalize, its fp32 deltas are not
-    needed then): rank[P] (a pair's place in its (bin, token range) list), cnt[nr, LE]
-    (pairs per bin and range), nunits[nr], utab[nr, UC] (unit u: bin | pairs << 16), then
-    per list position (16 per unit) the token (rec_t) and weight (rec_w) and the pair's s row
-    (s_sorted, R / 2 ints each); the last value is the total."""
-    o_cnt = P
-    o_nu = o_cnt + nr * LE
-    o_ut = o_nu + nr
-    o_rt = (o_ut + nr * UC + 3) // 4 * 4
-    o_rw = o_rt + nr * 16 * UC
-    o_ss = o_rw + nr * 16 * UC
-    end = o_ss + nr * 16 * UC * (R // 2)
-    return o_cnt, o_nu, o_ut, o_rt, o_rw, o_ss, end
 
 
 @dataclass(frozen=True)
@@ -159,15 +106,6 @@ class BgmvExpandSm90Config:
     fin_threads: int = 128         # finalize pass: 4 columns per thread
     fin_ctas_per_sm: int = 8
     pdl: bool = True
-    col_mode: bool = True          # finalize, bin schedule: the column pass (no ws round trip)
-    col_min_pairs: int = 384
-    col_warps: int = 2             # one 8-column n-tile per warp: 8 * col_warps columns per CTA
-    col_tokens: int = 1024         # tokens per CTA (its fp32 accumulator rows in smem)
-    col_units: int = 2048          # units (<= 16 pairs of one bin) per token range
-    col_group: int = 2             # units per ring stage
-    col_stages: int = 4
-    col_csr_threads: int = 256
-    col_csr_pairs: int = 4         # pairs per thread of the sort pass
     bin_pdl: bool = True           # the bin kernel too (after_shrink variants; the shrink's
                                    # bin kernel triggers at entry): its CTAs take the SMs the
                                    # shrink's last wave leaves, issue their first B stages and
@@ -207,11 +145,7 @@ class BgmvExpandSm90:
             return False
         if not (32 <= c.fin_threads <= 1024 and c.fin_threads % 32 == 0 and c.fin_ctas_per_sm >= 1):
             return False
-        if not (1 <= c.col_warps <= 8 and c.col_tokens % 4 == 0 and c.col_units >= 16
-                and 1 <= c.col_group <= 8 and 2 <= c.col_stages <= 8
-                and c.col_csr_threads in (128, 256, 512, 1024) and 1 <= c.col_csr_pairs <= 16):
-            return False
-        return _bin_smem_bytes(c) <= _SMEM_LIMIT and _col_smem_bytes(c) <= _SMEM_LIMIT
+        return _bin_smem_bytes(c) <= _SMEM_LIMIT
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -228,22 +162,17 @@ class BgmvExpandSm90:
         if use_bin:
             b_items = b.shape[0] * b.shape[1]
             b_grid = cutlass.max(cutlass.min(b_items, cfg.num_sms * cfg.bin_ctas_per_sm), 1)
-            if cutlass.const_expr(self.finalize and cfg.col_mode):
-                # the column pass where its lists and scratch fit, else ws + finalize pass
-                TR, UC = cfg.col_tokens, cfg.col_units
-                K = topk_ids.shape[1]
-                LE = b.shape[0] * b.shape[1]
-                nr = (T + TR - 1) // TR
-                prm = cutlass.min(T, TR) * K
-                end = _col_offsets(P, nr, LE, UC, b.shape[3])[-1]
-                col = (P >= cfg.col_min_pairs) & (cutlass.min(LE, prm) + prm // 16 + 1 <= UC) \
-                    & (end <= ws.shape[0] * ws.shape[1]) & (LE <= _LE_MAX)
-                if col:
-                    self.col_launch(s, b, topk_ids, lora, topk_w, y, ws, stream)
-                else:
-                    self.bin_fin_launch(s, b, topk_ids, lora, topk_w, y, ws, b_grid, stream)
-            elif cutlass.const_expr(self.finalize):
-                self.bin_fin_launch(s, b, topk_ids, lora, topk_w, y, ws, b_grid, stream)
+            if cutlass.const_expr(self.finalize):
+                # per-pair deltas to ws, then the fixed-order per-token sum into y
+                self.bin_kernel(s, b, topk_ids, lora, ws).launch(
+                    grid=[b_grid, 1, 1], block=[cfg.bin_threads, 1, 1], stream=stream,
+                    min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100,
+                    use_pdl=self.pdl and cfg.bin_pdl)
+                fcols = 4 * cfg.fin_threads
+                f_items = T * ((N + fcols - 1) // fcols)
+                f_grid = cutlass.max(cutlass.min(f_items, cfg.num_sms * cfg.fin_ctas_per_sm), 1)
+                self.fin_kernel(topk_ids, lora, topk_w, ws, y, b.shape[0], b.shape[1]).launch(
+                    grid=[f_grid, 1, 1], block=[cfg.fin_threads, 1, 1], stream=stream)
             else:
                 self.bin_kernel(s, b, topk_ids, lora, y).launch(
                     grid=[b_grid, 1, 1], block=[cfg.bin_threads, 1, 1], stream=stream,
@@ -256,24 +185,6 @@ class BgmvExpandSm90:
             self.kernel(s, b, topk_ids, lora, topk_w, y).launch(
                 grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
                 use_pdl=self.pdl)
-
-    @cute.jit
-    def bin_fin_launch(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
-                       lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor, ws: cute.Tensor,
-                       b_grid: cutlass.Int32, stream: cuda.CUstream):
-        """Per-pair deltas to ws (bin kernel), then the fixed-order per-token sum into y."""
-        cfg = self.cfg
-        T = lora.shape[0]
-        N = b.shape[2]
-        self.bin_kernel(s, b, topk_ids, lora, ws).launch(
-            grid=[b_grid, 1, 1], block=[cfg.bin_threads, 1, 1], stream=stream,
-            min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100,
-            use_pdl=self.pdl and cfg.bin_pdl)
-        fcols = 4 * cfg.fin_threads
-        f_items = T * ((N + fcols - 1) // fcols)
-        f_grid = cutlass.max(cutlass.min(f_items, cfg.num_sms * cfg.fin_ctas_per_sm), 1)
-        self.fin_kernel(topk_ids, lora, topk_w, ws, y, b.shape[0], b.shape[1]).launch(
-            grid=[f_grid, 1, 1], block=[cfg.fin_threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ pair schedule
     @cute.kernel
@@ -340,15 +251,11 @@ class BgmvExpandSm90:
                                         zmask, 1)
 
             if cutlass.const_expr(self.finalize):
-                # slot j's partial goes to column rho of sd, its rank among the token's slots
-                # by (expert id, slot), dead slots last: the finalize below sums in the order
-                # of the bin schedule's column pass (ascending bins, a bin's pairs in slot order)
-                dst = _slot_rank(topk_ids, t, K, lo, L, E, j, lane)
                 for e2 in cutlass.range_constexpr(2):
-                    sd[8 * g + 2 * q + e2, dst] = d[e2]
+                    sd[8 * g + 2 * q + e2, j] = d[e2]
                 if lane == 0:
-                    slive[dst] = cutlass.Int32(live)
-                    sw[dst] = wj
+                    slive[j] = cutlass.Int32(live)
+                    sw[j] = wj
                 cute.arch.sync_threads()
                 if tidx < _CN:
                     n = n0 + tidx
@@ -609,388 +516,15 @@ class BgmvExpandSm90:
                 dst = cute.local_tile(sB, (_VEC,), (self._sw(slot, row, ch, CN, NB),))
                 cute.copy(atom, src, dst)
 
-    # ================================================================== column pass
-    # finalize=True in the bin schedule without the fp32 ws round trip. A CTA owns 8 * col_warps
-    # output columns of up to col_tokens tokens and keeps their fp32 sums in shared memory; it
-    # walks every nonempty (adapter, expert) bin of its token range in ascending order, 16 pairs
-    # (a "unit") at a time: d = the pairs' mma chains against the bin's B slice, then
-    # acc[t] = acc[t] + w * d for each pair row. So a token's live pairs are summed in
-    # ascending expert id (one adapter per token), a bin's pairs in slot order: the order the
-    # pair schedule and fin_kernel use too. Three launches: rank (a pair's place in its
-    # (bin, token range) list, by the bin scan of _bin_scan), sort (bin offsets, the unit table,
-    # and each pair's token, weight and s row copied to its list position), the column pass.
-    @cute.jit
-    def col_launch(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
-                   lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor, ws: cute.Tensor,
-                   stream: cuda.CUstream):
-        cfg = self.cfg
-        T = lora.shape[0]
-        K = topk_ids.shape[1]
-        L = b.shape[0]
-        E = b.shape[1]
-        N = b.shape[2]
-        TR = cfg.col_tokens
-        nr = (T + TR - 1) // TR
-        scr = cute.make_tensor(cute.recast_ptr(ws.iterator, dtype=cutlass.Int32),
-                               cute.make_layout(ws.shape[0] * ws.shape[1]))
-        self.col_rank_kernel(topk_ids, lora, scr, L, E).launch(
-            grid=[nr * L * E, 1, 1], block=[cfg.bin_threads, 1, 1], stream=stream)
-        cpb = cfg.col_csr_threads * cfg.col_csr_pairs
-        nch = (cutlass.min(T, TR) * K + cpb - 1) // cpb
-        self.col_csr_kernel(s, topk_ids, lora, topk_w, scr, L, E).launch(
-            grid=[nr * nch, 1, 1], block=[cfg.col_csr_threads, 1, 1], stream=stream)
-        nc = 8 * cfg.col_warps
-        nct = (N + nc - 1) // nc
-        if b.shape[3] > _KB:
-            self.col_kernel(b, topk_ids, y, scr, 2).launch(
-                grid=[nct * nr, 1, 1], block=[32 * cfg.col_warps, 1, 1], stream=stream)
-        else:
-            self.col_kernel(b, topk_ids, y, scr, 1).launch(
-                grid=[nct * nr, 1, 1], block=[32 * cfg.col_warps, 1, 1], stream=stream)
-
-    @cute.kernel
-    def col_rank_kernel(self, topk_ids: cute.Tensor, lora: cute.Tensor, scr: cute.Tensor,
-                        L: cutlass.Int32, E: cutlass.Int32):
-        """Work item (token range r, bin): rank[p] = p's place in the bin's list of pairs of
-        the range (the bin scan's order: a token's pairs in slot order), cnt[r, bin]."""
-        cfg = self.cfg
-        NT, SU = cfg.bin_threads, cfg.bin_scan_unroll
-        NWP = NT // 32
-        CAP = NT * SU + 16
-        TR = cfg.col_tokens
-        tidx, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        nblk, _, _ = cute.arch.grid_dim()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        T = lora.shape[0]
-        K = topk_ids.shape[1]
-        LE = L * E
-        nr = (T + TR - 1) // TR
-        o_cnt = _col_offsets(T * K, nr, LE, cfg.col_units, 8)[0]
-        smem = cutlass.utils.SmemAllocator()
-        slist = smem.allocate_tensor(cutlass.Int32, cute.make_layout((CAP,)), 16)
-        swc = smem.allocate_tensor(cutlass.Int32, cute.make_layout((SU * NWP + 1,)), 16)
-        for w in cutlass.range(bid, nr * LE, nblk):
-            r = w // LE
-            bn = w - r * LE
-            l_b = bn // E
-            e_b = bn - l_b * E
-            t1 = cutlass.min(r * TR + TR, T)
-            nl = cutlass.Int32(0)
-            done = cutlass.Int32(0)
-            tb = r * TR
-            base = cutlass.Int32(0)
-            pend = cutlass.Int32(0)
-            pm = cutlass.Boolean(False)
-            while tb < t1:
-                nl, tb, base, pend, pm = collect_next(lora, topk_ids, l_b, e_b, t1, K, nl, tb,
-                                                      base, pend, pm, slist, swc, tidx, warp,
-                                                      lane, NT, NWP, SU, CAP)
-                for i in cutlass.range(tidx, nl, NT):
-                    scr[slist[i]] = done + i
-                done = done + nl
-                nl = cutlass.Int32(0)
-                cute.arch.sync_threads()
-            if tidx == 0:
-                scr[o_cnt + w] = done
-
-    @cute.kernel
-    def col_csr_kernel(self, s: cute.Tensor, topk_ids: cute.Tensor, lora: cute.Tensor,
-                       topk_w: cute.Tensor, scr: cute.Tensor, L: cutlass.Int32,
-                       E: cutlass.Int32):
-        """Work item (token range r, chunk of its pairs). Every CTA takes the exclusive prefix
-        of the range's units per bin (a bin of c pairs has ceil(c / 16) units, unit u holds
-        list positions 16u .. 16u + 15); chunk 0 writes the unit table. Then each live pair of
-        the chunk goes to position 16 * ustart[bin] + rank: its token (relative to the range),
-        weight and s row."""
-        cfg = self.cfg
-        NT2, CPT = cfg.col_csr_threads, cfg.col_csr_pairs
-        NW2 = NT2 // 32
-        TR, UC = cfg.col_tokens, cfg.col_units
-        tidx, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        T = lora.shape[0]
-        K = topk_ids.shape[1]
-        R = s.shape[1]
-        nrv = R // _VEC
-        LE = L * E
-        nr = (T + TR - 1) // TR
-        cpb = NT2 * CPT
-        nch = (cutlass.min(T, TR) * K + cpb - 1) // cpb
-        r = bid // nch
-        ch = bid - r * nch
-        o_cnt, o_nu, o_ut, o_rt, o_rw, o_ss, _ = _col_offsets(T * K, nr, LE, UC, R)
-        smem = cutlass.utils.SmemAllocator()
-        ust = smem.allocate_tensor(cutlass.Int32, cute.make_layout((_LE_MAX,)), 16)
-        sW = smem.allocate_tensor(cutlass.Int32, cute.make_layout((NW2,)), 16)
-
-        base = cutlass.Int32(0)
-        for c0 in cutlass.range(0, LE, NT2):
-            bn = c0 + tidx
-            v = cutlass.Int32(0)
-            if bn < LE:
-                v = scr[o_cnt + r * LE + bn]
-            nu = (v + 15) // 16
-            excl, tot = cta_prefix(nu, sW, warp, lane, NW2)
-            if bn < LE:
-                ust[bn] = base + excl
-                if ch == 0:
-                    for gi in cutlass.range(nu):
-                        scr[o_ut + r * UC + base + excl + gi] = \
-                            bn | (cutlass.min(v - 16 * gi, 16) << 16)
-            base = base + tot
-            cute.arch.sync_threads()
-        if (ch == 0) & (tidx == 0):
-            scr[o_nu + r] = base
-
-        rw = cute.make_tensor(cute.recast_ptr(scr.iterator + o_rw, dtype=cutlass.Float32),
-                              cute.make_layout(16 * UC * nr))
-        vec_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                       num_bits_per_copy=128)
-        sv = cute.zipped_divide(s, (1, _VEC))        # ((1, 8), (P, nrv))
-        ssp = cute.recast_ptr(scr.iterator + cute.assume(o_ss, divby=4), dtype=self.dtype)
-        t0 = r * TR
-        pr = (cutlass.min(T, t0 + TR) - t0) * K
-        for i in cutlass.range_constexpr(CPT):
-            pl = (ch * CPT + i) * NT2 + tidx
-            if pl < pr:
-                p = t0 * K + pl
-                t = p // K
-                j = p - t * K
-                lo = lora[t]
-                ex = topk_ids[t, j]
-                if (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E):
-                    pos = 16 * ust[lo * E + ex] + scr[p]
-                    row = r * 16 * UC + pos
-                    scr[o_rt + row] = t - t0
-                    rw[row] = topk_w[t, j]
-                    for v in cutlass.range(nrv):
-                        vr = cute.make_rmem_tensor((_VEC,), self.dtype)
-                        cute.copy(vec_atom, sv[(None, (p, v))], vr)
-                        dst = cute.make_tensor(ssp + cute.assume(row * R + v * _VEC, divby=_VEC),
-                                               cute.make_layout(_VEC))
-                        cute.copy(vec_atom, vr, dst)
-
-    @cute.kernel
-    def col_kernel(self, b: cute.Tensor, topk_ids: cute.Tensor, y: cute.Tensor,
-                   scr: cute.Tensor, NB: cutlass.Constexpr):
-        """CTA (column tile ct, token range r): columns c0 .. c0 + NC, tokens t0 .. t0 + TR."""
-        cfg = self.cfg
-        W, S, UPS = cfg.col_warps, cfg.col_stages, cfg.col_group
-        NT = 32 * W
-        NC = 8 * W
-        TR, UC = cfg.col_tokens, cfg.col_units
-        tidx, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        T = y.shape[0]
-        N = y.shape[1]
-        K = topk_ids.shape[1]
-        L = b.shape[0]
-        E = b.shape[1]
-        R = b.shape[3]
-        LE = L * E
-        nr = (T + TR - 1) // TR
-        nct = (N + NC - 1) // NC
-        r = bid // nct
-        ct = bid - r * nct
-        c0 = ct * NC
-        t0 = r * TR
-        nt = cutlass.min(TR, T - t0)
-        _, o_nu, o_ut, o_rt, o_rw, o_ss, _ = _col_offsets(T * K, nr, LE, UC, R)
-
-        smem = cutlass.utils.SmemAllocator()
-        sacc = smem.allocate_tensor(cutlass.Float32, cute.make_layout((TR * NC,)), 16)
-        utab = smem.allocate_tensor(cutlass.Int32, cute.make_layout((UC,)), 16)
-        sS = smem.allocate_tensor(self.dtype, cute.make_layout((S * UPS * 16 * _R_MAX,)), 128)
-        sB = smem.allocate_tensor(self.dtype, cute.make_layout((S * UPS * NC * _R_MAX,)), 128)
-        sT = smem.allocate_tensor(cutlass.Int32, cute.make_layout((S * UPS * 16,)), 16)
-        sWt = smem.allocate_tensor(cutlass.Float32, cute.make_layout((S * UPS * 16,)), 16)
-
-        nunits = scr[o_nu + r]
-        for i in cutlass.range(tidx, nunits, NT):
-            utab[i] = scr[o_ut + r * UC + i]
-        z4 = cute.make_rmem_tensor((4,), cutlass.Float32)
-        z4.fill(0.0)
-        for i in cutlass.range(tidx, TR * NC // 4, NT):
-            cute.local_tile(sacc, (4,), (i,)).store(z4.load())
-        cute.arch.sync_threads()
-
-        nst = (nunits + UPS - 1) // UPS
-        for st in cutlass.range_constexpr(S - 1):
-            if st < nst:
-                self.col_load_stage(b, scr, utab, sS, sB, sT, sWt, st, st, c0, N, R, nunits,
-                                    r, E, o_rt, o_rw, o_ss, tidx, NB)
-            cute.arch.cp_async_commit_group()
-        for hs in cutlass.range(nst):
-            cute.arch.cp_async_wait_group(S - 2)
-            cute.arch.sync_threads()
-            nxt = hs + (S - 1)
-            if nxt < nst:
-                self.col_load_stage(b, scr, utab, sS, sB, sT, sWt, nxt, nxt % S, c0, N, R,
-                                    nunits, r, E, o_rt, o_rw, o_ss, tidx, NB)
-            cute.arch.cp_async_commit_group()
-            slot = hs % S
-            for uu in cutlass.range_constexpr(UPS):
-                u = hs * UPS + uu
-                if u < nunits:
-                    self.col_unit(utab, sS, sB, sT, sWt, sacc, u, slot * UPS + uu, R, warp,
-                                  lane, NB)
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
-        yv = cute.zipped_divide(y, (1, 4))       # ((1, 4), (T, N / 4))
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
-                                   num_bits_per_copy=128)
-        NC4 = NC // 4
-        for i in cutlass.range(tidx, nt * NC4, NT):
-            row = i // NC4
-            c4 = i - row * NC4
-            if c0 + 4 * c4 < N:
-                v4 = cute.make_rmem_tensor((4,), cutlass.Float32)
-                v4.store(cute.local_tile(sacc, (4,), (i,)).load())
-                cute.copy(atom, v4, yv[(None, (t0 + row, c0 // 4 + c4))])
-
-    @cute.jit
-    def col_load_stage(self, b: cute.Tensor, scr: cute.Tensor, utab: cute.Tensor,
-                       sS: cute.Tensor, sB: cute.Tensor, sT: cute.Tensor, sWt: cute.Tensor,
-                       st: cutlass.Int32, slot: cutlass.Int32, c0: cutlass.Int32,
-                       N: cutlass.Int32, R: cutlass.Int32, nunits: cutlass.Int32,
-                       r: cutlass.Int32, E: cutlass.Int32, o_rt: cutlass.Int32,
-                       o_rw: cutlass.Int32, o_ss: cutlass.Int32, tidx: cutlass.Int32,
-                       NB: cutlass.Constexpr):
-        """cp.async the col_group units of stage st into ring slot `slot`: per unit the bin's B
-        rows c0 .. c0 + NC, the s rows of its pairs and their tokens / weights."""
-        cfg = self.cfg
-        W, UPS, UC = cfg.col_warps, cfg.col_group, cfg.col_units
-        NT = 32 * W
-        NC = 8 * W
-        CPR = 4 * NB
-        nrv = R // _VEC
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                   self.dtype, num_bits_per_copy=128)
-        atom_i = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                     cutlass.Int32, num_bits_per_copy=128)
-        atom_f = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                     cutlass.Float32, num_bits_per_copy=128)
-        s_n = cutlass.Int32(b.stride[2])
-        ssp = cute.recast_ptr(scr.iterator + cute.assume(o_ss, divby=4), dtype=self.dtype)
-        rtp = scr.iterator + cute.assume(o_rt, divby=4)
-        rwp = cute.recast_ptr(scr.iterator + cute.assume(o_rw, divby=4), dtype=cutlass.Float32)
-        for uu in cutlass.range_constexpr(UPS):
-            u = st * UPS + uu
-            if u < nunits:
-                ent = utab[u]
-                bn = ent & 0xFFFF
-                n = ent >> 16
-                l_b = bn // E
-                e_b = bn - l_b * E
-                slab = slab_ptr(b, l_b, e_b, _VEC)
-                su = slot * UPS + uu
-                for v in cutlass.range_constexpr((NC * CPR + NT - 1) // NT):
-                    idx = v * NT + tidx
-                    row = idx // CPR
-                    chh = idx - row * CPR
-                    nn = c0 + row
-                    if (idx < NC * CPR) & (chh < nrv) & (nn < N):
-                        src = cute.make_tensor(slab + cute.assume(nn * s_n + chh * _VEC,
-                                                                  divby=_VEC),
-                                               cute.make_layout(_VEC))
-                        cute.copy(atom, src, cute.local_tile(
-                            sB, (_VEC,), (self._sw(su, row, chh, NC, NB),)))
-                lrow = r * 16 * UC + 16 * u
-                for v in cutlass.range_constexpr((16 * CPR + NT - 1) // NT):
-                    idx = v * NT + tidx
-                    m = idx // CPR
-                    chh = idx - m * CPR
-                    if (idx < 16 * CPR) & (m < n) & (chh < nrv):
-                        src = cute.make_tensor(ssp + cute.assume((lrow + m) * R + chh * _VEC,
-                                                                 divby=_VEC),
-                                               cute.make_layout(_VEC))
-                        cute.copy(atom, src, cute.local_tile(
-                            sS, (_VEC,), (self._sw(su, m, chh, 16, NB),)))
-                if tidx < 4:
-                    src = cute.make_tensor(rtp + cute.assume(lrow + 4 * tidx, divby=4),
-                                           cute.make_layout(4))
-                    cute.copy(atom_i, src, cute.local_tile(sT, (4,), (su * 4 + tidx,)))
-                elif tidx < 8:
-                    src = cute.make_tensor(rwp + cute.assume(lrow + 4 * (tidx - 4), divby=4),
-                                           cute.make_layout(4))
-                    cute.copy(atom_f, src, cute.local_tile(sWt, (4,), (su * 4 + tidx - 4,)))
-
-    @cute.jit
-    def col_unit(self, utab: cute.Tensor, sS: cute.Tensor, sB: cute.Tensor, sT: cute.Tensor,
-                 sWt: cute.Tensor, sacc: cute.Tensor, u: cutlass.Int32, su: cutlass.Int32,
-                 R: cutlass.Int32, warp: cutlass.Int32, lane: cutlass.Int32,
-                 NB: cutlass.Constexpr):
-        """Unit u (ring unit slot su): warp w's n-tile (columns 8w .. 8w + 7 of the tile) for
-        the unit's pairs, added into their tokens' sums."""
-        NC = 8 * self.cfg.col_warps
-        g = lane >> 2
-        q = lane & 3
-        nrv = R // _VEC
-        n = utab[u] >> 16
-        acc = cute.make_rmem_tensor((4,), cutlass.Float32)
-        acc.fill(0.0)
-        for kb in cutlass.range_constexpr(NB):
-            ok = 4 * kb + q < nrv
-            a0 = cute.make_rmem_tensor((_VEC,), self.dtype)
-            a1 = cute.make_rmem_tensor((_VEC,), self.dtype)
-            bw = cute.make_rmem_tensor((_VEC,), self.dtype)
-            a0.store(cute.local_tile(sS, (_VEC,), (self._sw(su, g, 4 * kb + q, 16, NB),)).load())
-            a1.store(cute.local_tile(sS, (_VEC,),
-                                     (self._sw(su, g + 8, 4 * kb + q, 16, NB),)).load())
-            bw.store(cute.local_tile(sB, (_VEC,),
-                                     (self._sw(su, 8 * warp + g, 4 * kb + q, NC, NB),)).load())
-            mma_block(zero_unless(words(a0), ok), zero_unless(words(a1), ok),
-                      zero_unless(words(bw), ok), acc, self.bf16)
-        tg = sT[su * 16 + g]
-        tg8 = sT[su * 16 + g + 8]
-        wg = sWt[su * 16 + g]
-        wg8 = sWt[su * 16 + g + 8]
-        # a token with two slots on one expert has two rows here (adjacent: the list keeps a
-        # token's pairs together, in slot order); then rows are added one at a time, in order
-        dup = ((g >= 1) & (g < n) & (sT[su * 16 + cutlass.max(g - 1, 0)] == tg)) \
-            | ((g + 8 < n) & (sT[su * 16 + g + 7] == tg8))
-        anydup = cute.arch.vote_ballot_sync(dup) != 0
-        col = 8 * warp + 2 * q
-        if not anydup:
-            for hh in cutlass.range_constexpr(2):
-                if g + 8 * hh < n:
-                    tt = tg if hh == 0 else tg8
-                    ww = wg if hh == 0 else wg8
-                    for e2 in cutlass.range_constexpr(2):
-                        o = sacc[tt * NC + col + e2]
-                        o = o + ww * acc[2 * hh + e2]
-                        sacc[tt * NC + col + e2] = o
-        else:
-            for m in cutlass.range(n):
-                for hh in cutlass.range_constexpr(2):
-                    if m == g + 8 * hh:
-                        tt = tg if hh == 0 else tg8
-                        ww = wg if hh == 0 else wg8
-                        for e2 in cutlass.range_constexpr(2):
-                            o = sacc[tt * NC + col + e2]
-                            o = o + ww * acc[2 * hh + e2]
-                            sacc[tt * NC + col + e2] = o
-                cute.arch.sync_warp()
-        # the next unit's rows may be this one's tokens in other lanes
-        cute.arch.sync_warp()
-
     @cute.kernel
     def fin_kernel(self, topk_ids: cute.Tensor, lora: cute.Tensor, topk_w: cute.Tensor,
                    ws: cute.Tensor, y: cute.Tensor, L: cutlass.Int32, E: cutlass.Int32):
-        """y[t, n] = sum over the live slots j of w[t, j] * ws[t*k+j, n] in (expert id, slot)
-        order; the same expression (out = out + w * d, fp32) and order as the pair schedule's
-        finalize and the column pass."""
+        """y[t, n] = sum over live j = 0 .. k-1 (in order) of w[t, j] * ws[t*k+j, n]; the
+        same expression (out = out + w * d, fp32) as the pair schedule's finalize."""
         FT = self.cfg.fin_threads
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
-        lane = cute.arch.lane_idx()
         T = lora.shape[0]
         K = topk_ids.shape[1]
         N = y.shape[1]
@@ -1006,38 +540,29 @@ class BgmvExpandSm90:
             fc = w - t * nfc
             n4 = fc * FT + tidx                   # 4-column vector index
             lo = lora[t]
-            # lane jj < k holds slot jj's key and weight; slot src[r] is the r-th in order
-            kl = _slot_key(topk_ids, t, K, lo, L, E, lane)
-            wl = cutlass.Float32(0.0)
-            if lane < K:
-                wl = topk_w[t, lane]
-            rank = cutlass.Int32(0)
-            for jj in cutlass.range_constexpr(_MAX_K):
-                kj = cute.arch.shuffle_sync(kl, jj)
-                if (jj < K) & ((kj < kl) | ((kj == kl) & (jj < lane))):
-                    rank = rank + 1
-            nlive = cute.arch.popc(cutlass.Int32(cute.arch.vote_ballot_sync(
-                (lane < K) & (kl != _BIG))))
-            src = cute.make_rmem_tensor((_MAX_K,), cutlass.Int32)
-            wv = cute.make_rmem_tensor((_MAX_K,), cutlass.Float32)
-            for r in cutlass.range_constexpr(_MAX_K):
-                bal = cutlass.Int32(cute.arch.vote_ballot_sync((lane < K) & (rank == r)))
-                jr = cutlass.max(31 - cutlass.Int32(cute.arch.clz(bal)), 0)
-                src[r] = jr
-                wv[r] = cute.arch.shuffle_sync(wl, jr)
             o = cute.make_rmem_tensor((4,), cutlass.Float32)
             o.fill(0.0)
             if n4 * 4 < N:
-                # every live slot's ws vector in flight together (a loop over k waited for
-                # each in turn: T=2048 expand 154.5 -> 151.7 us, tune_memops_h200_bgmv_fin.json)
+                # every slot's routing, then every live slot's ws vector, in flight together
+                # (a loop over k waited for each in turn: T=2048 expand 154.5 -> 151.7 us,
+                # tune_memops_h200_bgmv_fin.json); then the sum in slot order
                 dv = cute.make_rmem_tensor((4, _MAX_K), cutlass.Float32)
-                for r in cutlass.range_constexpr(_MAX_K):
-                    if r < nlive:
-                        cute.copy(atom, wsv[(None, (t * K + src[r], n4))], dv[None, r])
-                for r in cutlass.range_constexpr(_MAX_K):
-                    if r < nlive:
+                wv = cute.make_rmem_tensor((_MAX_K,), cutlass.Float32)
+                lv = cute.make_rmem_tensor((_MAX_K,), cutlass.Int32)
+                for jj in cutlass.range_constexpr(_MAX_K):
+                    lv[jj] = cutlass.Int32(0)
+                    wv[jj] = cutlass.Float32(0.0)
+                    if jj < K:
+                        ex = topk_ids[t, jj]
+                        lv[jj] = cutlass.Int32((lo >= 0) & (lo < L) & (ex >= 0) & (ex < E))
+                        wv[jj] = topk_w[t, jj]
+                for jj in cutlass.range_constexpr(_MAX_K):
+                    if lv[jj] != 0:
+                        cute.copy(atom, wsv[(None, (t * K + jj, n4))], dv[None, jj])
+                for jj in cutlass.range_constexpr(_MAX_K):
+                    if lv[jj] != 0:
                         for e4 in cutlass.range_constexpr(4):
                             out = o[e4]
-                            out = out + wv[r] * dv[e4, r]
+                            out = out + wv[jj] * dv[e4, jj]
                             o[e4] = out
                 cute.copy(atom, o, yv[(None, (t, n4))])
