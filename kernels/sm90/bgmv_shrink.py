@@ -29,13 +29,16 @@ pairs streams A[l, e] and
 the group's x rows through a bin_stages-deep 16-byte cp.async ring in chunks of bin_chunk_h
 columns (twice that at rank <= 32; rows XOR-swizzled by parity: conflict-free fragment reads).
 Warp w computes the (m-tile, n-tile) units w, w + bin_warps, ...: the A slab is read from
-DRAM once per group and every A element feeds up to 16 pairs per instruction. Dead pairs
+DRAM once per group and every A element feeds up to 16 pairs per instruction. With few
+pairs per bin (P < bin_small_per_bin * L * E) the same kernel runs in its small-bin shape:
+more CTAs per SM with fewer warps and stages each, so the ~1-2-pair bins run in one wave
+(same bits). Dead pairs
 (skipped adapter / expert) are zeroed by a grid-stride pass; every p in [0, P) is written
 (`order` is not used in bin mode).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cuda.bindings.driver as cuda
 
@@ -92,7 +95,22 @@ class BgmvShrinkSm90Config:
     bin_ctas_per_sm: int = 4
     bin_prefetch_min: int = 2      # pairs per bin (P / (L * E)) from which a bin's first A
                                    # stages are issued before its pair scan (0: never)
+    # a second bin shape for P < bin_small_per_bin * L * E (0: none): with few pairs per bin
+    # nearly every bin holds 1-2 pairs and the bins of 4 CTAs per SM run in 1.5 waves; twice
+    # the CTAs per SM, each with half the warps and stages, run them in one. H200 (H=2688
+    # R=32 E=128 L=8 top-6, plan): T=256 98.4 -> 94.5 us, T=512 equal, T=1024 +0.7%,
+    # T=2048 +4.5% (perf/results/tune_memops_h200_bgmv_small_bins.json). Same bits: the
+    # arithmetic depends on seg_h only.
+    bin_small_per_bin: int = 2
+    bin_small_warps: int = 2
+    bin_small_ctas_per_sm: int = 8
+    bin_small_stages: int = 2
     pdl: bool = True
+
+
+def _small_shape(c: BgmvShrinkSm90Config) -> BgmvShrinkSm90Config:
+    return replace(c, bin_warps=c.bin_small_warps, bin_ctas_per_sm=c.bin_small_ctas_per_sm,
+                   bin_stages=c.bin_small_stages, bin_small_per_bin=0)
 
 
 class BgmvShrinkSm90:
@@ -102,6 +120,10 @@ class BgmvShrinkSm90:
         self.dtype = dtype
         self.cfg = config
         self.bf16 = is_bf16(dtype)
+        # the small-bin shape: the same kernel compiled with its own warps / ring / CTAs
+        self.small = None
+        if config.bin_mode and config.bin_small_per_bin > 0:
+            self.small = BgmvShrinkSm90(dtype, _small_shape(config))
 
     @staticmethod
     def can_implement(dtype, config: BgmvShrinkSm90Config) -> bool:
@@ -124,6 +146,10 @@ class BgmvShrinkSm90:
             return False
         if not (1 <= c.bin_scan_unroll <= 32 and c.bin_min_pairs >= 1 and c.bin_ctas_per_sm >= 1):
             return False
+        if c.bin_small_per_bin < 0:
+            return False
+        if c.bin_small_per_bin > 0 and not BgmvShrinkSm90.can_implement(dtype, _small_shape(c)):
+            return False
         return _bin_smem_bytes(c) <= _SMEM_LIMIT
 
     # ------------------------------------------------------------------ host side
@@ -140,10 +166,20 @@ class BgmvShrinkSm90:
             use_bin = P >= cfg.bin_min_pairs
         if use_bin:
             b_items = a.shape[0] * a.shape[1]
-            b_grid = cutlass.max(cutlass.min(b_items, cfg.num_sms * cfg.bin_ctas_per_sm), 1)
-            self.bin_kernel(x, a, topk_ids, lora, s).launch(
-                grid=[b_grid, 1, 1], block=[32 * cfg.bin_warps, 1, 1], stream=stream,
-                min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100)
+            small = cutlass.Boolean(False)
+            if cutlass.const_expr(self.small is not None):
+                small = P < cfg.bin_small_per_bin * b_items
+            if small:
+                sc = self.small.cfg
+                b_grid = cutlass.max(cutlass.min(b_items, sc.num_sms * sc.bin_ctas_per_sm), 1)
+                self.small.bin_kernel(x, a, topk_ids, lora, s).launch(
+                    grid=[b_grid, 1, 1], block=[32 * sc.bin_warps, 1, 1], stream=stream,
+                    min_blocks_per_mp=sc.bin_ctas_per_sm, preferred_smem_carveout=100)
+            else:
+                b_grid = cutlass.max(cutlass.min(b_items, cfg.num_sms * cfg.bin_ctas_per_sm), 1)
+                self.bin_kernel(x, a, topk_ids, lora, s).launch(
+                    grid=[b_grid, 1, 1], block=[32 * cfg.bin_warps, 1, 1], stream=stream,
+                    min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100)
         else:
             items = Q * (R // 8)
             grid = cutlass.max(cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm), 1)
