@@ -42,7 +42,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from kernels._l2 import l2_discard, l2_policy
 from kernels._mma import all_loaded, is_bf16, mma_block, words, zero_unless
 from kernels.sm90._bin_scan import run_bin, slab_ptr
 
@@ -105,10 +104,6 @@ class BgmvExpandSm90Config:
     bin_prefetch_min: int = 2      # pairs per bin (P / (L * E)) from which a bin's first B
                                    # stages are issued before its pair scan (0: never)
     fin_threads: int = 128         # finalize pass: 4 columns per thread
-    ws_l2_max_mb: int = 40         # finalize with a ws of at most this many MB (and N % 32 == 0):
-                                   # the bin kernel stores ws with the L2 evict_last priority and
-                                   # the finalize pass discards each line it has read, so ws
-                                   # lives and dies in L2 instead of a DRAM round trip (0: off)
     fin_ctas_per_sm: int = 8
     pdl: bool = True
     bin_pdl: bool = True           # the bin kernel too (after_shrink variants; the shrink's
@@ -169,22 +164,17 @@ class BgmvExpandSm90:
             b_grid = cutlass.max(cutlass.min(b_items, cfg.num_sms * cfg.bin_ctas_per_sm), 1)
             if cutlass.const_expr(self.finalize):
                 # per-pair deltas to ws, then the fixed-order per-token sum into y
-                hint = cutlass.Int32(0)
-                if cutlass.const_expr(cfg.ws_l2_max_mb > 0):
-                    fits = P <= (cfg.ws_l2_max_mb << 18) // N      # P * N fp32 <= max_mb MB
-                    hint = cutlass.Int32(fits & (N % 32 == 0))
-                self.bin_kernel(s, b, topk_ids, lora, ws, hint).launch(
+                self.bin_kernel(s, b, topk_ids, lora, ws).launch(
                     grid=[b_grid, 1, 1], block=[cfg.bin_threads, 1, 1], stream=stream,
                     min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100,
                     use_pdl=self.pdl and cfg.bin_pdl)
                 fcols = 4 * cfg.fin_threads
                 f_items = T * ((N + fcols - 1) // fcols)
                 f_grid = cutlass.max(cutlass.min(f_items, cfg.num_sms * cfg.fin_ctas_per_sm), 1)
-                self.fin_kernel(topk_ids, lora, topk_w, ws, y, b.shape[0], b.shape[1],
-                                hint).launch(
+                self.fin_kernel(topk_ids, lora, topk_w, ws, y, b.shape[0], b.shape[1]).launch(
                     grid=[f_grid, 1, 1], block=[cfg.fin_threads, 1, 1], stream=stream)
             else:
-                self.bin_kernel(s, b, topk_ids, lora, y, cutlass.Int32(0)).launch(
+                self.bin_kernel(s, b, topk_ids, lora, y).launch(
                     grid=[b_grid, 1, 1], block=[cfg.bin_threads, 1, 1], stream=stream,
                     min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100,
                     use_pdl=self.pdl and cfg.bin_pdl)
@@ -320,10 +310,9 @@ class BgmvExpandSm90:
     # ================================================================== bin schedule
     @cute.kernel
     def bin_kernel(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
-                   lora: cute.Tensor, out: cute.Tensor, hint: cutlass.Int32):
+                   lora: cute.Tensor, out: cute.Tensor):
         """out[p, n] = d[p, n] for the live pairs (out = ws when finalize, else y; y rows of
-        dead pairs are zeroed when not finalize). Work item = one (adapter, expert) bin.
-        hint != 0 (finalize): ws is stored with the L2 evict_last priority (cfg.ws_l2_max_mb)."""
+        dead pairs are zeroed when not finalize). Work item = one (adapter, expert) bin."""
         cfg = self.cfg
         NT, S, SU = cfg.bin_threads, cfg.bin_stages, cfg.bin_scan_unroll
         G = 16 * cfg.bin_mtiles
@@ -366,9 +355,6 @@ class BgmvExpandSm90:
         pre = cutlass.Boolean(False)
         if cutlass.const_expr(cfg.bin_prefetch_min > 0):
             pre = P >= cfg.bin_prefetch_min * L * E
-        pol = l2_policy(False)
-        if cutlass.const_expr(self.finalize):
-            pol = cutlass.Int64(cutlass.select_(hint != 0, l2_policy(True), pol))
         for w in cutlass.range(bid, items, nblk):
             l_b = w // E
             e_b = w - l_b * E
@@ -377,14 +363,14 @@ class BgmvExpandSm90:
             # the same shared memory, so the bytes in flight per CTA do not depend on R
             if b.shape[3] > _KB:
                 self.bin_item(s, b, out, sB, slist, swc, lora, topk_ids, l_b, e_b, N, P, K,
-                              tidx, warp, lane, pre, pol, 2)
+                              tidx, warp, lane, pre, 2)
             else:
                 self.bin_item(s, b, out, sB, slist, swc, lora, topk_ids, l_b, e_b, N, P, K,
-                              tidx, warp, lane, pre, pol, 1)
+                              tidx, warp, lane, pre, 1)
 
     @cute.jit
     def bin_item(self, s, b, out, sB, slist, swc, lora, topk_ids, l_b, e_b, N, P, K, tidx,
-                 warp, lane, pre, pol, NB: cutlass.Constexpr):
+                 warp, lane, pre, NB: cutlass.Constexpr):
         """Bin (l_b, e_b): collect its pairs, run them in groups. pre: the first group's B
         stages are issued before the scan (one commit group per stage, as the group's own
         prologue would)."""
@@ -402,7 +388,7 @@ class BgmvExpandSm90:
                     self.bin_load_stage(b, slab, sB, N, nrv, st, st, tidx, NB)
                 cute.arch.cp_async_commit_group()
         run_bin(lambda off, n, f: self.bin_group(s, b, out, sB, slist, off, n, l_b, e_b, N,
-                                                  tidx, warp, lane, f, pol, NB),
+                                                  tidx, warp, lane, f, NB),
                 lora, topk_ids, l_b, e_b, P, K, slist, swc, tidx, warp, lane, pre, NT, NWP,
                 SU, G)
 
@@ -421,7 +407,7 @@ class BgmvExpandSm90:
                   slist: cute.Tensor, off: cutlass.Int32, n: cutlass.Int32,
                   l_b: cutlass.Int32, e_b: cutlass.Int32, N: cutlass.Int32,
                   tidx: cutlass.Int32, warp: cutlass.Int32, lane: cutlass.Int32,
-                  pre: cutlass.Boolean, pol: cutlass.Int64, NB: cutlass.Constexpr):
+                  pre: cutlass.Boolean, NB: cutlass.Constexpr):
         """The n (<= G) pairs slist[off .. off+n) of bin (l_b, e_b): their s rows become mma
         fragments in registers, then the bin's B slab streams through the ring in chunks of
         CN columns (rows of 32 * NB elements); warp w runs n-tiles w, w + warps, ... of each
@@ -440,7 +426,6 @@ class BgmvExpandSm90:
                                        num_bits_per_copy=128)
         st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
                                       num_bits_per_copy=64)
-        st_ws = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), cutlass.Float32, num_bits_per_copy=64)
         sv = cute.zipped_divide(s, (1, _VEC))    # ((1, 8), (P, nrv))
         slab = slab_ptr(b, l_b, e_b, _VEC)
         if not pre:    # (else issued before the scan)
@@ -500,12 +485,7 @@ class BgmvExpandSm90:
                                 o2 = cute.make_rmem_tensor((2,), cutlass.Float32)
                                 o2[0] = acc[2 * hh]
                                 o2[1] = acc[2 * hh + 1]
-                                if cutlass.const_expr(self.finalize):
-                                    # ws: L2 priority from pol (bin_kernel: hint)
-                                    cute.copy(st_ws, o2, _pair_at(out, pm, col),
-                                              cache_policy=pol)
-                                else:
-                                    cute.copy(st_atom, o2, _pair_at(out, pm, col))
+                                cute.copy(st_atom, o2, _pair_at(out, pm, col))
         # every thread is out of the ring before the next group refills it
         cute.arch.sync_threads()
 
@@ -538,12 +518,9 @@ class BgmvExpandSm90:
 
     @cute.kernel
     def fin_kernel(self, topk_ids: cute.Tensor, lora: cute.Tensor, topk_w: cute.Tensor,
-                   ws: cute.Tensor, y: cute.Tensor, L: cutlass.Int32, E: cutlass.Int32,
-                   hint: cutlass.Int32):
+                   ws: cute.Tensor, y: cute.Tensor, L: cutlass.Int32, E: cutlass.Int32):
         """y[t, n] = sum over live j = 0 .. k-1 (in order) of w[t, j] * ws[t*k+j, n]; the
-        same expression (out = out + w * d, fp32) as the pair schedule's finalize. hint != 0:
-        ws was stored with the L2 evict_last priority; every 128-byte line read here is then
-        discarded (its data is dead; no DRAM write-back of ws)."""
+        same expression (out = out + w * d, fp32) as the pair schedule's finalize."""
         FT = self.cfg.fin_threads
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -589,15 +566,3 @@ class BgmvExpandSm90:
                             out = out + wv[jj] * dv[e4, jj]
                             o[e4] = out
                 cute.copy(atom, o, yv[(None, (t, n4))])
-            if hint != 0:
-                # the 8 lanes tidx .. tidx + 7 of a line have summed their vectors
-                cute.arch.sync_warp()
-                if (n4 * 4 + 32 <= N) & ((tidx & 7) == 0):
-                    for jj in cutlass.range_constexpr(_MAX_K):
-                        if jj < K:
-                            ex = topk_ids[t, jj]
-                            if (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E):
-                                addr = (ws.iterator + (t * K + jj) * ws.stride[0]
-                                        + n4 * 4).toint()
-                                if (addr & 127) == 0:
-                                    l2_discard(addr)
