@@ -29,10 +29,10 @@ pairs streams A[l, e] and
 the group's x rows through a bin_stages-deep 16-byte cp.async ring in chunks of bin_chunk_h
 columns (twice that at rank <= 32; rows XOR-swizzled by parity: conflict-free fragment reads).
 Warp w computes the (m-tile, n-tile) units w, w + bin_warps, ...: the A slab is read from
-DRAM once per group and every A element feeds up to 16 pairs per instruction. With few
-pairs per bin (P < bin_small_per_bin * L * E) the same kernel runs in its small-bin shape:
-more CTAs per SM with fewer warps and stages each, so the ~1-2-pair bins run in one wave
-(same bits). Dead pairs
+DRAM once per group and every A element feeds up to 16 pairs per instruction. At 1-2 pairs
+per bin on average (bin_small_min_per_bin < P / (L * E) < bin_small_per_bin) the same kernel
+runs in its small-bin shape: more CTAs per SM with fewer warps and stages each, so the bins
+run in about one wave instead of 1.5 (same bits). Dead pairs
 (skipped adapter / expert) are zeroed by a grid-stride pass; every p in [0, P) is written
 (`order` is not used in bin mode).
 """
@@ -95,12 +95,18 @@ class BgmvShrinkSm90Config:
     bin_ctas_per_sm: int = 4
     bin_prefetch_min: int = 2      # pairs per bin (P / (L * E)) from which a bin's first A
                                    # stages are issued before its pair scan (0: never)
-    # a second bin shape for P < bin_small_per_bin * L * E (0: none): with few pairs per bin
-    # nearly every bin holds 1-2 pairs and the bins of 4 CTAs per SM run in 1.5 waves; twice
-    # the CTAs per SM, each with half the warps and stages, run them in one. H200 (H=2688
-    # R=32 E=128 L=8 top-6, plan): T=256 98.4 -> 94.5 us, T=512 equal, T=1024 +0.7%,
-    # T=2048 +4.5% (perf/results/tune_memops_h200_bgmv_small_bins.json). Same bits: the
-    # arithmetic depends on seg_h only.
+    # a second bin shape for bin_small_min_per_bin * L * E < P < bin_small_per_bin * L * E
+    # (bin_small_per_bin 0: none). At 1-2 pairs per bin on average most bins hold a pair or
+    # two, and the big shape's 4 CTAs per SM run them in about 1.5 waves; twice the CTAs per
+    # SM, each with half the warps and stages (one stage in flight), run them in about one.
+    # Outside that window the slower streaming of a small CTA costs more than the waves save.
+    # H200 plans (H=2688 R=32 E=128 L=8 top-6, perf/results/tune_memops_h200_bgmv_small_bins
+    # .json): T=256 (1.5 pairs per bin) 98.4 -> 94.5 us; small everywhere: T=1024 +0.7%,
+    # T=2048 +4.5%. Benchmark (perf/results/bgmv_moe_h200_small_bins.json, small below 2 per
+    # bin): 1.5 per bin -2.5 to -4.8% (H=2688 / 3072, r=16 / 32 / 64), 1.0 per bin -5.2%
+    # (H=4096 top-2 T=512) and +7.1% (H=3072 E=256 top-8 T=256), 0.5 per bin +19%
+    # (H=4096 top-2 T=256). Same bits: the arithmetic depends on seg_h only.
+    bin_small_min_per_bin: int = 1
     bin_small_per_bin: int = 2
     bin_small_warps: int = 2
     bin_small_ctas_per_sm: int = 8
@@ -146,7 +152,7 @@ class BgmvShrinkSm90:
             return False
         if not (1 <= c.bin_scan_unroll <= 32 and c.bin_min_pairs >= 1 and c.bin_ctas_per_sm >= 1):
             return False
-        if c.bin_small_per_bin < 0:
+        if c.bin_small_per_bin < 0 or c.bin_small_min_per_bin < 0:
             return False
         if c.bin_small_per_bin > 0 and not BgmvShrinkSm90.can_implement(dtype, _small_shape(c)):
             return False
@@ -168,7 +174,8 @@ class BgmvShrinkSm90:
             b_items = a.shape[0] * a.shape[1]
             small = cutlass.Boolean(False)
             if cutlass.const_expr(self.small is not None):
-                small = P < cfg.bin_small_per_bin * b_items
+                small = (P > cfg.bin_small_min_per_bin * b_items) \
+                    & (P < cfg.bin_small_per_bin * b_items)
             if small:
                 sc = self.small.cfg
                 b_grid = cutlass.max(cutlass.min(b_items, sc.num_sms * sc.bin_ctas_per_sm), 1)
