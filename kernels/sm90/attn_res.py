@@ -59,7 +59,6 @@ from cutlass._mlir.dialects import llvm as _llvm
 from cutlass._mlir.dialects import nvvm as _nvvm
 
 from kernels._cvt import widen
-from kernels._mma import mma_16816
 
 # UBLKCP: cp.async.bulk (non-tensor) global -> shared; SYNCS: mbarrier ops.
 # No LDGSTS (cp.async 16 B path), no local memory (LDL/STL = register spills).
@@ -128,15 +127,6 @@ class AttnResSm90Config:
         loads (K=8 with delta: 10) or launches of at least this many rows. The claim's round
         trip costs ~1 us per launch on short rows at mid M (K=1 M=512-1024: 18.9 -> 19.7 us,
         30.5 -> 31.4 in an A/B), where the imbalance it removes is smaller.
-    mma_scores: row_split = 1 with norm_w * qk_w in registers (tiers up to 8192), batched
-        schedule: the score partials of all of a row's sources run on the tensor cores. A
-        warp takes 16-element columns of the row; ldmatrix gives the 16 x 16 tile of (source,
-        column) from the ring slots (p is written back into its prefix slot first), and three
-        mma.sync per tile accumulate X X^T (two n-tiles: the diagonal is every source's sum
-        of squares) and X [w_hi, w_lo] (w = norm_w * qk_w split into two bf16 halves, so the
-        dot keeps fp32 weights to ~2^-17). Slots are H + 8 elements apart (zero pad: a last
-        half column, and the 8 source rows of an ldmatrix phase in different banks). Same
-        prefix / blocks bits; out within the same bound (its scores sum in another order).
     debug_timeline: diagnostics only, never exported by default: consumer thread 0 of the
         CTA(s) of row 0 records clock64 at the phases of the batched and direct schedules
         and writes the cycle counts over the first 64 bytes of its segment of out[0]
@@ -160,7 +150,6 @@ class AttnResSm90Config:
     dynamic_rows: bool = True
     dynamic_min_loads: int = 8
     dynamic_min_rows: int = 2048
-    mma_scores: bool = True
     debug_timeline: bool = False
     debug_trace: bool = False
 
@@ -188,9 +177,8 @@ def _layout_numbers(max_hidden: int, cfg: AttnResSm90Config, row_split: int):
         return None
     wq_smem = cpt > cfg.wq_max_reg_chunks
     wq_bytes = nw * 32 * cpt * _CHUNK * 4 if wq_smem else 0
-    wmma_bytes = 4 * (max_hidden + 16) if _mma_scores(cfg, C, wq_smem) else 0
     fixed = (16 * cfg.max_stages + 16 * nw + 4 * (2 * _NV * nw + 2 * nw + 2 * _NV * C + 2 * C)
-             + 64 + _SMEM_SLACK + wq_bytes + wmma_bytes)
+             + 64 + _SMEM_SLACK + wq_bytes)
     cap = min(_SMEM_CAPACITY, _SMEM_PER_SM // cfg.ctas_per_sm - 1024)
     if C > 1 and cpt <= 2 and cfg.split_direct:
         # split_direct: no ring (AttnResSm90 allocates a token one)
@@ -202,32 +190,6 @@ def _layout_numbers(max_hidden: int, cfg: AttnResSm90Config, row_split: int):
                   or cfg.split_stages < _MAX_LOADS):
         return None  # the split schedule keeps every load of a row resident
     return nw, cpt, wq_smem, wq_bytes, ring, seg_max
-
-
-def _mma_scores(cfg: AttnResSm90Config, row_split: int, wq_smem: bool) -> bool:
-    return cfg.mma_scores and row_split == 1 and not wq_smem
-
-
-def _mma_acc(a, b, acc):
-    """acc (4 fp32 registers) <- a b + acc, one m16n8k16 bf16 mma (fragments as words)."""
-    v = mma_16816(a, b, [acc[i] for i in range(4)], True)
-    for i in range(4):
-        acc[i] = v[i]
-
-
-@dsl_user_op
-def _ldmatrix_x4(addr, *, loc=None, ip=None):
-    """ldmatrix.sync.aligned.m8n8.x4.shared.b16 at shared address addr (lane l: the row of
-    matrix l // 8); the 4 words of this lane, matrices 0..3. Volatile: it reads what the
-    named barrier / mbarrier waits before it made visible."""
-    res = _llvm.inline_asm(
-        _llvm.StructType.get_literal([Int32.mlir_type] * 4),
-        [Int32(addr).ir_value(loc=loc, ip=ip)],
-        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,r", has_side_effects=True, is_align_stack=False,
-        asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return [Int32(_llvm.extractvalue(Int32.mlir_type, res, [i], loc=loc, ip=ip))
-            for i in range(4)]
 
 
 @dsl_user_op
@@ -267,8 +229,6 @@ class AttnResSm90:
         # large tier: norm_w * qk_w in smem and each source read twice from its slot
         # (score pass, then mix pass) instead of held in registers across the reduction
         self.reread = self.wq_smem
-        self.mma = _mma_scores(config, row_split, self.wq_smem)
-        self.wmma_elems = 2 * (max_hidden + 16) if self.mma else 8
         self.num_threads_c = self.num_warps_c * 32
         # split kernels with few chunks per thread: sources straight to registers (no ring)
         self.direct = row_split > 1 and self.cpt <= 2 and config.split_direct
@@ -312,7 +272,6 @@ class AttnResSm90:
             xbuf_s: cute.struct.Align[cute.struct.MemRange[Float32, 2 * _NV * C], 16]
             xbuf_n: cute.struct.Align[cute.struct.MemRange[Float32, 2 * C], 16]
             wq: cute.struct.Align[cute.struct.MemRange[Float32, self.wq_elems], 16]
-            wmma: cute.struct.Align[cute.struct.MemRange[self.dtype, self.wmma_elems], 16]
             rowid: cute.struct.MemRange[Int32, self.max_stages]  # dynamic_rows: row of a slot
             ring: cute.struct.Align[cute.struct.MemRange[self.dtype, self.ring_elems], 128]
 
@@ -388,67 +347,6 @@ class AttnResSm90:
                 src = cute.make_tensor(base + cute.assume(j * _CHUNK, divby=_CHUNK),
                                        cute.make_layout(_CHUNK))
                 dst[None, k].store(src.load())
-
-    @cute.jit
-    def _store_slot(self, ring, slot: Int32, H: Int32, tidx: Int32, nchunk: Int32,
-                    val: cute.Tensor):
-        """The thread's chunk k of ring slot `slot` <- val[:, k] (valid chunks only)."""
-        base = ring + cute.assume(slot * H, divby=_CHUNK)
-        for k in cutlass.range_constexpr(self.cpt):
-            j = k * self.num_threads_c + tidx
-            if j < nchunk:
-                dst = cute.make_tensor(base + cute.assume(j * _CHUNK, divby=_CHUNK),
-                                       cute.make_layout(_CHUNK))
-                dst.store(val[None, k].load())
-
-    @cute.jit
-    def _mma_partials(self, ring, wmma: cute.Tensor, red_s: cute.Tensor, slot_p: Int32,
-                      slot_b: Int32, n_st: Int32, sst: Int32, nsrc_b: Int32, H: Int32,
-                      par: Int32, warp: Int32, lane: Int32):
-        """mma_scores: the warp's share of every source's (sum c^2, dot(c, w)) into
-        red_s[warp, :, par]. Rows of the tile = sources (0 = p, 1.. = block slots; rows past
-        them alias p and are ignored), columns = 16 elements of the row (warp w takes
-        column tiles w, w + NW, ...). D1 = X X^T over sources 0..7, D2 over 8..15 (their
-        diagonals are the sums of squares; the B operand of X^T is X's own A fragment),
-        D3 = X [w_hi, w_lo] (column 0 + column 1 = the dot)."""
-        NW = self.num_warps_c
-        g = lane >> 2
-        q = lane & 3
-        # this lane's ldmatrix row (matrix lane // 8: rows 0-7 / 8-15, columns 0-7 / 8-15)
-        r = (lane & 7) + ((lane >> 3) & 1) * 8
-        sr = slot_p
-        if (r >= 1) & (r <= nsrc_b):
-            sr = slot_b + r - 1
-            if sr >= n_st:
-                sr = sr - n_st
-        abase = (ring + cute.assume(sr * sst + (lane >> 4) * _CHUNK, divby=_CHUNK)).toint()
-        w32 = cute.make_tensor(cute.recast_ptr(wmma.iterator, dtype=Int32),
-                               cute.make_layout(self.wmma_elems // 2))
-        # B of D3: column 0 = w_hi (lanes g = 0), column 1 = w_lo (g = 1); other columns
-        # (g >= 2) are ignored
-        wsel = Int32(cutlass.select_(g >= 1, (self.max_hidden + 16) // 2, 0)) + q
-        d1 = cute.make_rmem_tensor((4,), Float32)
-        d2 = cute.make_rmem_tensor((4,), Float32)
-        d3 = cute.make_rmem_tensor((4,), Float32)
-        d1.fill(0.0)
-        d2.fill(0.0)
-        d3.fill(0.0)
-        for c in cutlass.range(warp, (H + 15) // 16, NW):
-            a = _ldmatrix_x4(abase + c * 32)
-            w0 = w32[wsel + 8 * c]
-            w1 = w32[wsel + 8 * c + 4]
-            _mma_acc(a, [a[0], a[2]], d1)
-            _mma_acc(a, [a[1], a[3]], d2)
-            _mma_acc(a, [w0, w1], d3)
-        nsrc = nsrc_b + 1
-        if (q == (g >> 1)) & (g < nsrc):
-            red_s[(warp, 2 * g, par)] = Float32(cutlass.select_((g & 1) != 0, d1[1], d1[0]))
-        if q == 0:
-            if g < nsrc:
-                red_s[(warp, 2 * g + 1, par)] = d3[0] + d3[1]
-            if (g == 0) & (nsrc > 8):
-                red_s[(warp, 16, par)] = d2[2]
-                red_s[(warp, 17, par)] = d3[2] + d3[3]
 
     @cute.jit
     def _add_slot(self, ring, slot: Int32, H: Int32, tidx: Int32, nchunk: Int32,
@@ -727,7 +625,7 @@ class AttnResSm90:
                       nchunk: Int32, n_st: Int32, w_idx: Int32, nsrc_b: Int32,
                       lg_mult: Float32, has_delta: Int32, has_out_norm: Int32,
                       eps: Float32, out_eps: Float32, tidx: Int32, warp: Int32, lane: Int32,
-                      tl: cute.Tensor, rowid: cute.Tensor, dyn: Int32, wmma):
+                      tl: cute.Tensor, rowid: cute.Tensor, dyn: Int32):
         """Batched schedule: per row, every load of the row is resident in the ring (the
         caller guarantees 1 + has_delta + nsrc_b <= n_st); one reduction (and, row_split > 1,
         one DSMEM exchange) for all scores, one for the output norm. dyn != 0: the rows are
@@ -790,15 +688,9 @@ class AttnResSm90:
                 cute.arch.mbarrier_wait(full + slot, phase)
                 self._add_slot(ring, slot, seg, tidx, nchunk, cp)
                 slot, phase = self._advance(slot, phase, n_st)
-                if cutlass.const_expr(self.mma):
-                    # p into its prefix slot: the tensor-core partials read every source
-                    # from the ring (the slot is released after them)
-                    self._store_slot(ring, slot_p, seg, tidx, nchunk, cp)
-                    cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()
             if lane == 0:
-                if cutlass.const_expr(not self.mma):
-                    cute.arch.mbarrier_arrive(empty + slot_p)
+                cute.arch.mbarrier_arrive(empty + slot_p)
                 if has_delta != 0:
                     cute.arch.mbarrier_arrive(empty + slot_d)
             if has_delta != 0:
@@ -814,39 +706,23 @@ class AttnResSm90:
             slot, phase = self._skip(slot, phase, n_st, nsrc_b)
 
             # ---- partials of every source (block sources read from their slots)
-            if cutlass.const_expr(self.mma):
-                for j in cutlass.range_constexpr(_MAXB):
-                    if j < nsrc_b:
-                        sj, pj = self._skip(slot_b, ph_b, n_st, Int32(j))
-                        cute.arch.mbarrier_wait(full + sj, pj)
-                # every thread's part of p is in its slot
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.num_threads_c)
-                self._mma_partials(ring, wmma, red_s, slot_p, slot_b, n_st, seg, nsrc_b, H,
-                                   par, warp, lane)
-                if cutlass.const_expr(self.cfg.debug_timeline):
-                    tl[3] = cute.arch.clock64()
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.num_threads_c)
-                self._lane_totals(red_s, tot, par, lane)
-                if lane == 0:
-                    cute.arch.mbarrier_arrive(empty + slot_p)   # past every warp's reads
-            else:
-                a, b = self._partials(cp, wq, tidx)
-                part[0] = a
-                part[1] = b
-                for j in cutlass.range_constexpr(_MAXB):
-                    part[2 + 2 * j] = Float32(0.0)
-                    part[3 + 2 * j] = Float32(0.0)
-                    if j < nsrc_b:
-                        sj, pj = self._skip(slot_b, ph_b, n_st, Int32(j))
-                        cute.arch.mbarrier_wait(full + sj, pj)
-                        self._load_slot(ring, sj, seg, tidx, nchunk, cs)
-                        a2, b2 = self._partials(cs, wq, tidx)
-                        part[2 + 2 * j] = a2
-                        part[3 + 2 * j] = b2
-                if cutlass.const_expr(self.cfg.debug_timeline):
-                    tl[3] = cute.arch.clock64()
-                self._score_totals(part, red_s, xbuf_s, xbar, tot, par, xph, rank, tidx, warp,
-                                   lane, tl)
+            a, b = self._partials(cp, wq, tidx)
+            part[0] = a
+            part[1] = b
+            for j in cutlass.range_constexpr(_MAXB):
+                part[2 + 2 * j] = Float32(0.0)
+                part[3 + 2 * j] = Float32(0.0)
+                if j < nsrc_b:
+                    sj, pj = self._skip(slot_b, ph_b, n_st, Int32(j))
+                    cute.arch.mbarrier_wait(full + sj, pj)
+                    self._load_slot(ring, sj, seg, tidx, nchunk, cs)
+                    a2, b2 = self._partials(cs, wq, tidx)
+                    part[2 + 2 * j] = a2
+                    part[3 + 2 * j] = b2
+            if cutlass.const_expr(self.cfg.debug_timeline):
+                tl[3] = cute.arch.clock64()
+            self._score_totals(part, red_s, xbuf_s, xbar, tot, par, xph, rank, tidx, warp,
+                               lane, tl)
             if cutlass.const_expr(self.cfg.debug_timeline):
                 tl[5] = cute.arch.clock64()
             ep, inv_l = self._softmax(tot, tb, eb, nsrc_b, lg_mult, inv_h, eps)
@@ -1118,12 +994,8 @@ class AttnResSm90:
             nchunk = cutlass.max(cutlass.min(H - cbase, seg), Int32(0)) // _CHUNK
         nbytes = nchunk * (_CHUNK * 2)
         cb64 = Int64(cbase)
-        # slot stride: mma_scores pads every slot by 8 zero elements (see the config)
-        sstride = seg
-        if cutlass.const_expr(self.mma):
-            sstride = seg + _CHUNK
         # slots in the ring at this H (>= 2: the ring holds two max-size segments)
-        n_st = cutlass.min(self.ring_elems // sstride, self.max_stages)
+        n_st = cutlass.min(self.ring_elems // seg, self.max_stages)
         if cutlass.const_expr(C > 1):
             n_st = cutlass.min(n_st, self.cfg.split_stages)
         # block sources per row (slot w is p: not loaded) and loads per row
@@ -1214,20 +1086,19 @@ class AttnResSm90:
                     slot, phase = self._produce(
                         full, empty, ring, slot, phase, n_st,
                         prefix.iterator + cute.assume(r64 * Int64(s_pre) + cb64, divby=_CHUNK),
-                        sstride, nbytes)
+                        seg, nbytes)
                     if has_delta != 0:
                         slot, phase = self._produce(
                             full, empty, ring, slot, phase, n_st,
                             delta.iterator + cute.assume(r64 * Int64(s_del) + cb64,
                                                          divby=_CHUNK),
-                            sstride, nbytes)
+                            seg, nbytes)
                     for i in range(K):
                         if i != w_idx:
                             off = r64 * Int64(s_bm) + Int64(i) * Int64(s_bn) + cb64
                             slot, phase = self._produce(
                                 full, empty, ring, slot, phase, n_st,
-                                blocks.iterator + cute.assume(off, divby=_CHUNK), sstride,
-                                nbytes)
+                                blocks.iterator + cute.assume(off, divby=_CHUNK), seg, nbytes)
                     if dyn != 0:
                         row = ncl + cute.arch.atomic_add(work.iterator, Int32(1))
                     else:
@@ -1279,28 +1150,6 @@ class AttnResSm90:
                     qw_r[None, k].store(b.load())
             if cutlass.const_expr(C == 1):
                 cute.arch.barrier_arrive(barrier_id=2, number_of_threads=NT + 32)
-            wmma = storage.wmma.get_tensor(cute.make_layout(self.wmma_elems))
-            if cutlass.const_expr(self.mma):
-                # w = norm_w * qk_w as two bf16 halves for the tensor-core dots (w_hi, then
-                # w_lo at WOFF), zero past H; the ring slots' 8-element pads are zeroed too
-                WOFF = self.max_hidden + 16
-                for k in cutlass.range_constexpr(CPT):
-                    j = k * NT + tidx
-                    if j < nchunk:
-                        wv = nw_r[None, k].load().to(Float32) * qw_r[None, k].load().to(Float32)
-                        hi = wv.to(self.dtype)
-                        cute.local_tile(wmma, (_CHUNK,), (j,)).store(hi)
-                        cute.local_tile(wmma, (_CHUNK,), (WOFF // _CHUNK + j,)).store(
-                            (wv - hi.to(Float32)).to(self.dtype))
-                z8 = cute.make_rmem_tensor((_CHUNK,), self.dtype)
-                z8.fill(0.0)
-                if tidx < 2:
-                    for hh in cutlass.range_constexpr(2):
-                        cute.local_tile(wmma, (_CHUNK,), (hh * (WOFF // _CHUNK) + nchunk + tidx,)
-                                        ).store(z8.load())
-                for i in cutlass.range(tidx, n_st, NT):
-                    cute.make_tensor(ring + cute.assume(i * sstride + seg, divby=_CHUNK),
-                                     cute.make_layout(_CHUNK)).store(z8.load())
             if cutlass.const_expr(not self.direct):
                 # (direct: the first row's loads go out before these products and the
                 # cluster wait, see _rows_direct)
@@ -1332,18 +1181,17 @@ class AttnResSm90:
                                    wq, cp, cs, acc, prefix, delta, blocks, out_norm_w, out,
                                    cid, ncl, rank, seg, cbase, nchunk, n_st, w_idx, nsrc_b,
                                    lg_mult, has_delta, has_out_norm, eps, out_eps,
-                                   tidx, warp, lane, tl, rowid, Int32(0), None)
+                                   tidx, warp, lane, tl, rowid, Int32(0))
             elif use_batched != 0:
                 self._rows_batched(ring, full, empty, xbar, red_s, red_n, xbuf_s, xbuf_n,
                                    wq, cp, cs, acc, prefix, delta, blocks, out_norm_w, out,
-                                   cid, ncl, rank, sstride, cbase, nchunk, n_st, w_idx, nsrc_b,
+                                   cid, ncl, rank, seg, cbase, nchunk, n_st, w_idx, nsrc_b,
                                    lg_mult, has_delta, has_out_norm, eps, out_eps,
-                                   tidx, warp, lane, tl, rowid, dyn, wmma)
+                                   tidx, warp, lane, tl, rowid, dyn)
             else:
                 self._rows_online(ring, full, empty, red, wq, cp, cs, acc, prefix, blocks,
                                   out_norm_w, out, K, w_idx, lg_mult, has_delta,
-                                  has_out_norm, eps, out_eps, tidx, warp, lane, n_st, inv_h,
-                                  sstride)
+                                  has_out_norm, eps, out_eps, tidx, warp, lane, n_st, inv_h)
 
         if cutlass.const_expr(C > 1):
             # no CTA exits while a peer may still store into its shared memory. Every store
@@ -1367,9 +1215,8 @@ class AttnResSm90:
                      blocks: cute.Tensor, out_norm_w: cute.Tensor, out: cute.Tensor,
                      K: Int32, w_idx: Int32, lg_mult: Float32, has_delta: Int32,
                      has_out_norm: Int32, eps: Float32, out_eps: Float32, tidx: Int32,
-                     warp: Int32, lane: Int32, n_st: Int32, inv_h: Float32, sst: Int32):
-        """v1 online schedule (row_split = 1): one reduction per source. sst: the slot
-        stride (elements)."""
+                     warp: Int32, lane: Int32, n_st: Int32, inv_h: Float32):
+        """v1 online schedule (row_split = 1): one reduction per source."""
         NT = self.num_threads_c
         CPT = self.cpt
         bid, _, _ = cute.arch.block_idx()
@@ -1389,12 +1236,12 @@ class AttnResSm90:
             # ---- p = prefix (+ delta)
             slot_p = slot
             cute.arch.mbarrier_wait(full + slot, phase)
-            self._load_slot(ring, slot, sst, tidx, nchunk, cp)
+            self._load_slot(ring, slot, H, tidx, nchunk, cp)
             slot, phase = self._advance(slot, phase, n_st)
             slot_d = slot
             if has_delta != 0:
                 cute.arch.mbarrier_wait(full + slot, phase)
-                self._add_slot(ring, slot, sst, tidx, nchunk, cp)
+                self._add_slot(ring, slot, H, tidx, nchunk, cp)
                 slot, phase = self._advance(slot, phase, n_st)
                 self._store_row(
                     prefix.iterator + cute.assume(r64 * Int64(s_pre), divby=_CHUNK),
@@ -1424,7 +1271,7 @@ class AttnResSm90:
                 if i != w_idx:
                     slot_s = slot
                     cute.arch.mbarrier_wait(full + slot, phase)
-                    self._load_slot(ring, slot, sst, tidx, nchunk, cs)
+                    self._load_slot(ring, slot, H, tidx, nchunk, cs)
                     slot, phase = self._advance(slot, phase, n_st)
                     ss, dd = self._partials(cs, wq, tidx)
                     ss, dd = self._warp_sum2(ss, dd)
@@ -1442,7 +1289,7 @@ class AttnResSm90:
                     if cutlass.const_expr(self.reread):
                         # source read again from its slot (the named barrier keeps the
                         # compiler from holding the first read live: fewer registers)
-                        self._mix_slot(ring, slot_s, sst, tidx, nchunk, acc, corr, e)
+                        self._mix_slot(ring, slot_s, H, tidx, nchunk, acc, corr, e)
                         cute.arch.sync_warp()
                         if lane == 0:
                             cute.arch.mbarrier_arrive(empty + slot_s)
