@@ -104,7 +104,8 @@ def _bgmv(row):
     from cutekern.bgmv_moe import prepare_bgmv_moe
     from cutekern.reference import bgmv_expand_reference, bgmv_shrink_reference
     ok = True
-    x, a, b, ids, w, lora = problem(1024, 2688, 32, 128, 6, 3)
+    r = int(os.environ.get("TUNE_BGMV_R", 32))   # LoRA rank of the timed and checked problems
+    x, a, b, ids, w, lora = problem(1024, 2688, r, 128, 6, 3)
     lora[::5] = -1
     full = prepare_bgmv_moe(x, a, b, ids, w, lora)
     full.run()
@@ -121,7 +122,7 @@ def _bgmv(row):
             print(f"  WRONG bgmv T={t}", flush=True)
         ok &= good
     for t in (1, 4, 8, 32, 256, 512, 1024, 2048):
-        x, a, b, ids, w, lora = problem(t, 2688, 32, 128, 6, t)
+        x, a, b, ids, w, lora = problem(t, 2688, r, 128, 6, t)
         p = prepare_bgmv_moe(x, a, b, ids, w, lora)
         row[f"T{t}_us"] = round(1e3 * time_graph_ms(p.run, reps=20), 2)
         if t >= 256:  # the two kernels alone (each its own replay: no overlap)

@@ -26,7 +26,8 @@ shared list (kernels/sm90/_bin_scan.py: prefix sums, no atomics; a first few B s
 already loading when P >= bin_prefetch_min * L * E); per group of up to 16 * bin_mtiles
 pairs it loads their s rows as mma fragments (registers) and streams the bin's B slab
 through a bin_stages-deep 16-byte cp.async ring in chunks of bin_cols columns (twice that at
-rank <= 32); each warp takes n-tiles of the chunk and runs the same chain for every m-tile of
+rank 17..32, four times at rank <= 16: ring rows of 64, 32 or 16 elements, the same bytes per
+stage); each warp takes n-tiles of the chunk and runs the same chain for every m-tile of
 pairs, so every b element feeds up to 16 pairs per instruction. finalize=False writes y[p, cols] (a
 grid-stride pass zeroes the rows of dead pairs); finalize=True writes ws[p, cols] and a
 second launch (fin_kernel) computes y[t, n] = (out = out + w[t, j] * ws[t*k+j, n] for live j
@@ -76,8 +77,10 @@ class BgmvExpandSm90Config:
     """num_sms, ctas_per_sm: pair-schedule grid = min(work items, num_sms * ctas_per_sm). The
     default cap is far above any work-item count, i.e. one CTA per work item.
     bin_*: the bin schedule (module docstring); bin_mtiles: 16-pair m-tiles per group,
-    bin_cols: output columns per ring stage at rank 33..64, twice that at rank <= 32 (the
-        same bytes per stage).
+    bin_cols: output columns per ring stage at rank 33..64, twice that at rank 17..32 and four
+        times at rank <= 16 (the same bytes per stage; 128-column stages at rank 16 before: H200
+        r=16 plans T=256 73.4 -> 69.9 us, T=512 89.2 -> 83.5, T=2048 210.5 -> 200.7,
+        perf/results/tune_memops_h200_bgmv_r16_rows.json).
     pdl: variants built with after_shrink=True (the ones a plan launches right after its
         own shrink): the pair kernel (small T) is launched with programmatic stream
         serialization, so it may start while that shrink still runs; it issues its b loads
@@ -96,7 +99,7 @@ class BgmvExpandSm90Config:
     bin_threads: int = 128         # 4 warps x 4 CTAs per SM (was 8 x 2 with 128 columns per
                                    # stage: T=256 101.9 -> 97.8 us, T=512 118.5 -> 117.2,
                                    # T=1024 and 2048 within 0.5%; tune_memops_h200_bgmv_rings3)
-    bin_cols: int = 64             # output columns per ring stage (R > 32; twice at R <= 32)
+    bin_cols: int = 64             # output columns per ring stage (R > 32; x2 / x4 at R <= 32 / 16)
     bin_mtiles: int = 1            # 16-pair m-tiles per group
     bin_stages: int = 4            # cp.async ring depth (column chunks of the bin's B slab)
     bin_scan_unroll: int = 4       # pair-table entries per thread per scan round
@@ -358,19 +361,22 @@ class BgmvExpandSm90:
         for w in cutlass.range(bid, items, nblk):
             l_b = w // E
             e_b = w - l_b * E
-            # specialized on the number of k blocks of R: R <= 32 holds one block of s
-            # fragments and streams twice as many columns per stage (rows of 32 elements) in
-            # the same shared memory, so the bytes in flight per CTA do not depend on R
+            # specialized on the ring row width RW (R rounded up to 16, 32 or 64): R <= 32
+            # holds one k block of s fragments, and the stage holds 64 / RW times the columns
+            # in the same shared memory, so the bytes in flight per CTA do not depend on R
             if b.shape[3] > _KB:
                 self.bin_item(s, b, out, sB, slist, swc, lora, topk_ids, l_b, e_b, N, P, K,
-                              tidx, warp, lane, pre, 2)
+                              tidx, warp, lane, pre, 64)
+            elif b.shape[3] > 16:
+                self.bin_item(s, b, out, sB, slist, swc, lora, topk_ids, l_b, e_b, N, P, K,
+                              tidx, warp, lane, pre, 32)
             else:
                 self.bin_item(s, b, out, sB, slist, swc, lora, topk_ids, l_b, e_b, N, P, K,
-                              tidx, warp, lane, pre, 1)
+                              tidx, warp, lane, pre, 16)
 
     @cute.jit
     def bin_item(self, s, b, out, sB, slist, swc, lora, topk_ids, l_b, e_b, N, P, K, tidx,
-                 warp, lane, pre, NB: cutlass.Constexpr):
+                 warp, lane, pre, RW: cutlass.Constexpr):
         """Bin (l_b, e_b): collect its pairs, run them in groups. pre: the first group's B
         stages are issued before the scan (one commit group per stage, as the group's own
         prologue would)."""
@@ -378,28 +384,28 @@ class BgmvExpandSm90:
         NT, S, SU = cfg.bin_threads, cfg.bin_stages, cfg.bin_scan_unroll
         G = 16 * cfg.bin_mtiles
         NWP = NT // 32
-        CN = cfg.bin_cols * (_MAX_B // NB)
+        CN = cfg.bin_cols * (_R_MAX // RW)
         nch = (N + CN - 1) // CN
         nrv = b.shape[3] // _VEC
         if pre:
             slab = slab_ptr(b, l_b, e_b, _VEC)
             for st in cutlass.range_constexpr(S - 1):
                 if st < nch:
-                    self.bin_load_stage(b, slab, sB, N, nrv, st, st, tidx, NB)
+                    self.bin_load_stage(b, slab, sB, N, nrv, st, st, tidx, RW)
                 cute.arch.cp_async_commit_group()
         run_bin(lambda off, n, f: self.bin_group(s, b, out, sB, slist, off, n, l_b, e_b, N,
-                                                  tidx, warp, lane, f, NB),
+                                                  tidx, warp, lane, f, RW),
                 lora, topk_ids, l_b, e_b, P, K, slist, swc, tidx, warp, lane, pre, NT, NWP,
                 SU, G)
 
     @staticmethod
-    def _sw(slot, row, ch, CN: int, NB: int):
-        """Vector index of (slot, row, 16-byte chunk ch) in the flat B ring (rows of 32 * NB
-        elements = 4 * NB chunks). The 8 lanes of a fragment read phase read rows g, g + 1:
-        with 4-chunk rows they are adjacent 64-byte halves of 128 bytes already; with 8-chunk
-        rows the odd rows have their chunks XOR 4."""
-        if NB == 1:
-            return (slot * CN + row) * 4 + ch
+    def _sw(slot, row, ch, CN: int, RW: int):
+        """Vector index of (slot, row, 16-byte chunk ch) in the flat B ring (rows of RW
+        elements = RW / 8 chunks). The 8 lanes of a fragment read phase read rows g, g + 1:
+        with 2- or 4-chunk rows those are 32 or 64 contiguous bytes of 128 already; with
+        8-chunk rows the odd rows have their chunks XOR 4."""
+        if RW < _R_MAX:
+            return (slot * CN + row) * (RW // _VEC) + ch
         return (slot * CN + row) * 8 + (ch ^ ((row & 1) << 2))
 
     @cute.jit
@@ -407,14 +413,15 @@ class BgmvExpandSm90:
                   slist: cute.Tensor, off: cutlass.Int32, n: cutlass.Int32,
                   l_b: cutlass.Int32, e_b: cutlass.Int32, N: cutlass.Int32,
                   tidx: cutlass.Int32, warp: cutlass.Int32, lane: cutlass.Int32,
-                  pre: cutlass.Boolean, NB: cutlass.Constexpr):
+                  pre: cutlass.Boolean, RW: cutlass.Constexpr):
         """The n (<= G) pairs slist[off .. off+n) of bin (l_b, e_b): their s rows become mma
         fragments in registers, then the bin's B slab streams through the ring in chunks of
-        CN columns (rows of 32 * NB elements); warp w runs n-tiles w, w + warps, ... of each
+        CN columns (rows of RW elements); warp w runs n-tiles w, w + warps, ... of each
         chunk for every m-tile."""
         cfg = self.cfg
         NT, S, MT = cfg.bin_threads, cfg.bin_stages, cfg.bin_mtiles
-        CN = cfg.bin_cols * (_MAX_B // NB)
+        NB = 2 if RW == _R_MAX else 1             # 32-element k blocks of R
+        CN = cfg.bin_cols * (_R_MAX // RW)
         NWP = NT // 32
         NTW = CN // 8 // NWP                      # n-tiles per warp and chunk
         g = lane >> 2
@@ -431,7 +438,7 @@ class BgmvExpandSm90:
         if not pre:    # (else issued before the scan)
             for st in cutlass.range_constexpr(S - 1):
                 if st < nch:
-                    self.bin_load_stage(b, slab, sB, N, nrv, st, st, tidx, NB)
+                    self.bin_load_stage(b, slab, sB, N, nrv, st, st, tidx, RW)
                 cute.arch.cp_async_commit_group()
 
         if cutlass.const_expr(self.pdl and cfg.bin_pdl):
@@ -459,7 +466,7 @@ class BgmvExpandSm90:
             cute.arch.sync_threads()
             nxt = hs + (S - 1)
             if nxt < nch:
-                self.bin_load_stage(b, slab, sB, N, nrv, nxt, nxt % S, tidx, NB)
+                self.bin_load_stage(b, slab, sB, N, nrv, nxt, nxt % S, tidx, RW)
             cute.arch.cp_async_commit_group()
             slot = hs % S
             for ii in cutlass.range_constexpr(NTW):
@@ -469,7 +476,7 @@ class BgmvExpandSm90:
                 for kb in cutlass.range_constexpr(NB):
                     if 4 * kb + q < nrv:
                         src = cute.local_tile(
-                            sB, (_VEC,), (self._sw(slot, nt * 8 + g, 4 * kb + q, CN, NB),))
+                            sB, (_VEC,), (self._sw(slot, nt * 8 + g, 4 * kb + q, CN, RW),))
                         bw[None, kb].store(src.load())
                 col = hs * CN + nt * 8 + 2 * q
                 for mt in cutlass.range_constexpr(MT):
@@ -493,18 +500,18 @@ class BgmvExpandSm90:
     def bin_load_stage(self, b: cute.Tensor, slab: cute.Pointer, sB: cute.Tensor,
                        N: cutlass.Int32, nrv: cutlass.Int32,
                        st: cutlass.Int32, slot: cutlass.Int32, tidx: cutlass.Int32,
-                       NB: cutlass.Constexpr):
+                       RW: cutlass.Constexpr):
         """cp.async column chunk `st` (CN rows of b[l_b, e_b], R elements each) into ring slot
         `slot`; rows past N and vectors past R are not copied (never read)."""
         cfg = self.cfg
         NT = cfg.bin_threads
-        CN = cfg.bin_cols * (_MAX_B // NB)
+        CN = cfg.bin_cols * (_R_MAX // RW)
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    self.dtype, num_bits_per_copy=128)
         # 32-bit offsets inside the bin's slab (b[l_b, e_b]: N * R elements) from its base
         # pointer; indexing the 4-mode tensor per copy costs ~15 integer instructions each
         s_n = cutlass.Int32(b.stride[2])
-        CPR = 4 * NB
+        CPR = RW // _VEC
         for ps in cutlass.range_constexpr(CN * CPR // NT):
             v = ps * NT + tidx
             row = v // CPR
@@ -513,7 +520,7 @@ class BgmvExpandSm90:
             if (ch < nrv) & (nn < N):
                 src = cute.make_tensor(slab + cute.assume(nn * s_n + ch * _VEC, divby=_VEC),
                                        cute.make_layout(_VEC))
-                dst = cute.local_tile(sB, (_VEC,), (self._sw(slot, row, ch, CN, NB),))
+                dst = cute.local_tile(sB, (_VEC,), (self._sw(slot, row, ch, CN, RW),))
                 cute.copy(atom, src, dst)
 
     @cute.kernel

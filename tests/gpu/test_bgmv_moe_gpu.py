@@ -145,12 +145,14 @@ def test_bitwise_deterministic_over_100_runs(design, t, skew):
 
 
 @pytest.mark.parametrize("finalize", [True, False])
-@pytest.mark.parametrize("h,n,r", [(2688, 2688, 32), (1000, 1016, 24), (3080, 520, 64)])
+@pytest.mark.parametrize("h,n,r", [(2688, 2688, 32), (1000, 1016, 24), (3080, 520, 64),
+                                   (2688, 1032, 16)])
 def test_batch_invariance(design, finalize, h, n, r):
     """A token's outputs do not depend on which other tokens share the batch: subsets of 1..300
     tokens (the small-T pair schedule) against the full batch of 1024 (the bin-grouped
     schedule), bit for bit. The odd shapes put partial k blocks / segments / column chunks at
-    the end of H, N and R (H = 1000: a 32-element block with one live vector; R = 24)."""
+    the end of H, N and R (H = 1000: a 32-element block with one live vector; R = 24); R = 16
+    runs the sm90 expand's 16-element ring rows."""
     t, k = 1024, 6
     x, a, b, ids, w, lora = make(t, k, h, n, r, 8, 128, torch.bfloat16, seed=6)
     full = run_plan(x, a, b, ids, w, lora, finalize=finalize)
