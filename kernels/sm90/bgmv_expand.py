@@ -53,7 +53,6 @@ _DTYPES = (cutlass.Float16, cutlass.BFloat16)
 _VEC = 8            # elements per 16-byte vector
 _KB = 32            # elements per k block
 _MAX_K = 8          # warps per pair CTA = routed slots
-_MAX_B = 2          # R <= 64: at most 2 k blocks
 _R_MAX = 64
 _CN = 64            # pair schedule: output columns per work item (8 n-tiles)
 _SMEM_LIMIT = 227 * 1024
