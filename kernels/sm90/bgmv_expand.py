@@ -164,22 +164,17 @@ class BgmvExpandSm90:
         if use_bin:
             b_items = b.shape[0] * b.shape[1]
             b_grid = cutlass.max(cutlass.min(b_items, cfg.num_sms * cfg.bin_ctas_per_sm), 1)
+            # finalize: per-pair deltas to ws, then the fixed-order per-token sum into y
+            self.bin_kernel(s, b, topk_ids, lora, ws if self.finalize else y).launch(
+                grid=[b_grid, 1, 1], block=[cfg.bin_threads, 1, 1], stream=stream,
+                min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100,
+                use_pdl=self.pdl and cfg.bin_pdl)
             if cutlass.const_expr(self.finalize):
-                # per-pair deltas to ws, then the fixed-order per-token sum into y
-                self.bin_kernel(s, b, topk_ids, lora, ws).launch(
-                    grid=[b_grid, 1, 1], block=[cfg.bin_threads, 1, 1], stream=stream,
-                    min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100,
-                    use_pdl=self.pdl and cfg.bin_pdl)
                 fcols = 4 * cfg.fin_threads
                 f_items = T * ((N + fcols - 1) // fcols)
                 f_grid = cutlass.max(cutlass.min(f_items, cfg.num_sms * cfg.fin_ctas_per_sm), 1)
                 self.fin_kernel(topk_ids, lora, topk_w, ws, y, b.shape[0], b.shape[1]).launch(
                     grid=[f_grid, 1, 1], block=[cfg.fin_threads, 1, 1], stream=stream)
-            else:
-                self.bin_kernel(s, b, topk_ids, lora, y).launch(
-                    grid=[b_grid, 1, 1], block=[cfg.bin_threads, 1, 1], stream=stream,
-                    min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100,
-                    use_pdl=self.pdl and cfg.bin_pdl)
         else:
             items = ((N + _CN - 1) // _CN) * T
             grid = cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm)
@@ -380,18 +375,14 @@ class BgmvExpandSm90:
         stages are issued before the scan (one commit group per stage, as the group's own
         prologue would)."""
         cfg = self.cfg
-        NT, S, SU = cfg.bin_threads, cfg.bin_stages, cfg.bin_scan_unroll
+        NT, SU = cfg.bin_threads, cfg.bin_scan_unroll
         G = 16 * cfg.bin_mtiles
         NWP = NT // 32
         CN = cfg.bin_cols * (_R_MAX // RW)
         nch = (N + CN - 1) // CN
         nrv = b.shape[3] // _VEC
         if pre:
-            slab = slab_ptr(b, l_b, e_b, _VEC)
-            for st in cutlass.range_constexpr(S - 1):
-                if st < nch:
-                    self.bin_load_stage(b, slab, sB, N, nrv, st, st, tidx, RW)
-                cute.arch.cp_async_commit_group()
+            self.bin_prologue(b, slab_ptr(b, l_b, e_b, _VEC), sB, N, nrv, nch, tidx, RW)
         run_bin(lambda off, n, f: self.bin_group(s, b, out, sB, slist, off, n, l_b, e_b, N,
                                                   tidx, warp, lane, f, RW),
                 lora, topk_ids, l_b, e_b, P, K, slist, swc, tidx, warp, lane, pre, NT, NWP,
@@ -435,10 +426,7 @@ class BgmvExpandSm90:
         sv = cute.zipped_divide(s, (1, _VEC))    # ((1, 8), (P, nrv))
         slab = slab_ptr(b, l_b, e_b, _VEC)
         if not pre:    # (else issued before the scan)
-            for st in cutlass.range_constexpr(S - 1):
-                if st < nch:
-                    self.bin_load_stage(b, slab, sB, N, nrv, st, st, tidx, RW)
-                cute.arch.cp_async_commit_group()
+            self.bin_prologue(b, slab, sB, N, nrv, nch, tidx, RW)
 
         if cutlass.const_expr(self.pdl and cfg.bin_pdl):
             # s is the shrink's output: wait for it (the ring's first stages and the bin's
@@ -494,6 +482,16 @@ class BgmvExpandSm90:
                                 cute.copy(st_atom, o2, _pair_at(out, pm, col))
         # every thread is out of the ring before the next group refills it
         cute.arch.sync_threads()
+
+    @cute.jit
+    def bin_prologue(self, b: cute.Tensor, slab: cute.Pointer, sB: cute.Tensor,
+                     N: cutlass.Int32, nrv: cutlass.Int32, nch: cutlass.Int32,
+                     tidx: cutlass.Int32, RW: cutlass.Constexpr):
+        """The ring's first bin_stages - 1 column chunks, one commit group each."""
+        for st in cutlass.range_constexpr(self.cfg.bin_stages - 1):
+            if st < nch:
+                self.bin_load_stage(b, slab, sB, N, nrv, st, st, tidx, RW)
+            cute.arch.cp_async_commit_group()
 
     @cute.jit
     def bin_load_stage(self, b: cute.Tensor, slab: cute.Pointer, sB: cute.Tensor,

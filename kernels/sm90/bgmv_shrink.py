@@ -177,22 +177,26 @@ class BgmvShrinkSm90:
                 small = (P > cfg.bin_small_min_per_bin * b_items) \
                     & (P < cfg.bin_small_per_bin * b_items)
             if small:
-                sc = self.small.cfg
-                b_grid = cutlass.max(cutlass.min(b_items, sc.num_sms * sc.bin_ctas_per_sm), 1)
-                self.small.bin_kernel(x, a, topk_ids, lora, s).launch(
-                    grid=[b_grid, 1, 1], block=[32 * sc.bin_warps, 1, 1], stream=stream,
-                    min_blocks_per_mp=sc.bin_ctas_per_sm, preferred_smem_carveout=100)
+                self.small.launch_bin(x, a, topk_ids, lora, s, stream)
             else:
-                b_grid = cutlass.max(cutlass.min(b_items, cfg.num_sms * cfg.bin_ctas_per_sm), 1)
-                self.bin_kernel(x, a, topk_ids, lora, s).launch(
-                    grid=[b_grid, 1, 1], block=[32 * cfg.bin_warps, 1, 1], stream=stream,
-                    min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100)
+                self.launch_bin(x, a, topk_ids, lora, s, stream)
         else:
             items = Q * (R // 8)
             grid = cutlass.max(cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm), 1)
             self.kernel(x, a, topk_ids, lora, order, s).launch(
                 grid=[grid, 1, 1], block=[32 * cfg.pair_warps, 1, 1], stream=stream,
                 min_blocks_per_mp=cfg.pair_ctas_per_sm, preferred_smem_carveout=25)
+
+    @cute.jit
+    def launch_bin(self, x: cute.Tensor, a: cute.Tensor, topk_ids: cute.Tensor,
+                   lora: cute.Tensor, s: cute.Tensor, stream: cuda.CUstream):
+        """The bin kernel in this instance's shape (a CTA per (adapter, expert) bin)."""
+        cfg = self.cfg
+        b_items = a.shape[0] * a.shape[1]
+        b_grid = cutlass.max(cutlass.min(b_items, cfg.num_sms * cfg.bin_ctas_per_sm), 1)
+        self.bin_kernel(x, a, topk_ids, lora, s).launch(
+            grid=[b_grid, 1, 1], block=[32 * cfg.bin_warps, 1, 1], stream=stream,
+            min_blocks_per_mp=cfg.bin_ctas_per_sm, preferred_smem_carveout=100)
 
     # ------------------------------------------------------------------ pair schedule
     @cute.kernel
