@@ -184,3 +184,26 @@ def bgmv_expand_abi(dtype: str) -> tuple:
         TensorArg("ws", "float32", 2, align=4),
         StreamArg(),
     )
+
+
+def bgmv_binplan_abi(dtype: str) -> tuple:
+    """ABI of the plan kernel of large batches (sm90: shrink + expand per bin in one launch,
+    then the finalize pass). Arguments as bgmv_shrink_abi / bgmv_expand_abi:
+
+      x, a, b, topk_ids, lora, topk_w   inputs (topk_w: finalize only)
+      s    (P, R)  dtype  written (the shrink's output, as the stand-alone shrink writes it)
+      y             fp32   written, as bgmv_expand_abi
+      ws   (P, N)  fp32   workspace (finalize)
+    """
+    return (
+        TensorArg("x", dtype, 2, align=8),
+        TensorArg("a", dtype, 4, align=8),
+        TensorArg("b", dtype, 4, align=8),
+        TensorArg("topk_ids", "int32", 2, align=1),
+        TensorArg("lora", "int32", 1, align=1),
+        TensorArg("topk_w", "float32", 2, align=1),
+        TensorArg("s", dtype, 2, align=8),
+        TensorArg("y", "float32", 2, align=4),
+        TensorArg("ws", "float32", 2, align=4),
+        StreamArg(),
+    )

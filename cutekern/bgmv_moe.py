@@ -164,10 +164,14 @@ def _workspace(expand_fn, p, n, finalize, y, device):
     which never touches it, so they get a one-row stand-in instead of P * N * 4 bytes."""
     if not finalize:
         return y
-    cfg = expand_fn.meta.get("config", {})
-    threshold = next((v for k, v in cfg.items() if k.startswith("bin_min")), 0)
-    rows = p if p >= int(threshold) else 1
+    rows = p if p >= _bin_threshold(expand_fn) else 1
     return torch.empty(rows, n, dtype=torch.float32, device=device)
+
+
+def _bin_threshold(fn) -> int:
+    """P from which a variant runs its bin schedule (its config's bin_min*; 0 when none)."""
+    cfg = fn.meta.get("config", {})
+    return int(next((v for k, v in cfg.items() if k.startswith("bin_min")), 0))
 
 
 def _check_order(op, sorted_token_ids, dev):
@@ -206,6 +210,17 @@ def _expand_function(dtype, finalize, device, after_shrink):
     return get_function("bgmv_expand", {"dtype": _DTYPES[dtype]}, flags, device)
 
 
+def _binplan_function(dtype, finalize, device):
+    """The one-launch plan kernel of large batches, where the target design has one."""
+    from .arch import target_arch, target_design
+    from .dispatch import get_function
+    from .registry import OPS
+    if target_design(target_arch(device)) not in OPS["bgmv_binplan"].designs:
+        return None
+    return get_function("bgmv_binplan", {"dtype": _DTYPES[dtype]}, {"finalize": bool(finalize)},
+                        device)
+
+
 def _functions(dtype, finalize, device):
     from .dispatch import get_function
     return (get_function("bgmv_shrink", {"dtype": _DTYPES[dtype]}, {}, device),
@@ -217,15 +232,14 @@ class BgmvMoePlan:
     current stream with the tensors' current contents: it allocates nothing, never syncs
     the host and can be captured in a CUDA graph (one replay = shrink + expand)."""
 
-    def __init__(self, shrink_call, expand_call, shrink_out, out, meta):
-        self._shrink, self._expand = shrink_call, expand_call
+    def __init__(self, calls, shrink_out, out, meta):
+        self._calls = tuple(calls)
         self.shrink_out, self.out = shrink_out, out
         self.meta = meta
 
     def run(self):
-        if self._shrink is not None:
-            self._shrink.launch()
-            self._expand.launch()
+        for c in self._calls:
+            c.launch()
         return self.out
 
     def bytes_moved(self, bins_touched: int) -> int:
@@ -240,7 +254,7 @@ class BgmvMoePlan:
 
 def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
                      sorted_token_ids=None, finalize=True, out=None, shrink_out=None,
-                     check_indices=True) -> BgmvMoePlan:
+                     check_indices=True, fused=None) -> BgmvMoePlan:
     """Validate everything once and bind shrink + expand.
 
     x [T, H] (fp16/bf16), lora_a [L, E, r, H], lora_b [L, E, H_out, r] (same dtype),
@@ -250,6 +264,9 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
     (int32, optional): the pairs in expert-sorted order (padding entries >= T*k).
     ``check_indices`` checks the index values now (one device sync); run() never checks,
     so replays with new routing must keep ids in range (out-of-range pairs are skipped).
+    ``fused`` (None: automatic): large batches run shrink and expand of each (adapter,
+    expert) bin in one launch where the design has that kernel (sm90); False keeps the two
+    kernels. The results are bit-identical either way.
     """
     op = "prepare_bgmv_moe"
     t, h, num_l, num_e, r = _check_x_a(op, x, lora_a)
@@ -269,14 +286,22 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
     meta = {"T": t, "k": k, "P": p, "H": h, "N": n, "r": r, "L": num_l, "E": num_e,
             "elem_bytes": x.element_size(), "finalize": finalize}
     if t == 0:
-        return BgmvMoePlan(None, None, s, y, meta)
+        return BgmvMoePlan((), s, y, dict(meta, fused=False))
+    w = _expand_weights(topk_weights, finalize, t, k, dev)
+    fused_fn = _binplan_function(x.dtype, finalize, dev) if fused is not False else None
+    if fused_fn is not None and p >= _bin_threshold(fused_fn):
+        # (bin schedules only: `order` is not used, the pairs are collected per bin)
+        ws = _workspace(fused_fn, p, n, finalize, y, dev)
+        fc = fused_fn.bind(x, lora_a, lora_b, topk_ids, lora_indices, w, s, y, ws)
+        plan = BgmvMoePlan((fc,), s, y, dict(meta, fused=True))
+        plan._keep = (w, ws)
+        return plan
     order = _order(sorted_token_ids, p, dev)
     shrink_fn, expand_fn = _functions(x.dtype, finalize, dev)
-    w = _expand_weights(topk_weights, finalize, t, k, dev)
     ws = _workspace(expand_fn, p, n, finalize, y, dev)
     sc = shrink_fn.bind(x, lora_a, topk_ids, lora_indices, order, s)
     ec = expand_fn.bind(s, lora_b, topk_ids, lora_indices, w, y, ws)
-    plan = BgmvMoePlan(sc, ec, s, y, meta)
+    plan = BgmvMoePlan((sc, ec), s, y, dict(meta, fused=False))
     plan._keep = (order, w, ws)
     return plan
 

@@ -50,8 +50,12 @@ def source_hash(op: str, design: str) -> str:
     # shared by every design
     helpers = sorted(p for d in (origin.parent, origin.parent.parent) for p in d.glob("_*.py")
                      if p.name != "__init__.py")
+    # other kernels of the design whose device code this one runs (bgmv_binplan: the shrink's
+    # and the expand's bin groups)
+    siblings = sorted({origin.parent / f"{m}.py" for m in re.findall(
+        rf"^from kernels\.{design}\.([a-z]\w*) import", origin.read_text(), re.M)})
     h = hashlib.sha256()
-    for p in [origin] + helpers + [_PKG_ROOT / f for f in _COMMON_SOURCES]:
+    for p in [origin] + siblings + helpers + [_PKG_ROOT / f for f in _COMMON_SOURCES]:
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]

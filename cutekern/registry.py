@@ -153,6 +153,16 @@ OPS: dict = {
                                          if "after_shrink" in fl else {})),
         doc="MoE-LoRA expand: fixed-order weighted sum over a token's pairs, one owner per output",
     ),
+    "bgmv_binplan": OpSpec(
+        name="bgmv_binplan",
+        abi=_abi.bgmv_binplan_abi,
+        designs={"sm90": DesignImpl("kernels.sm90.bgmv_binplan", "BgmvBinPlanSm90",
+                                    "BgmvBinPlanSm90Config")},
+        variants=tuple(((("dtype", dt),), (("finalize", f),))
+                       for dt in ("float16", "bfloat16") for f in (True, False)),
+        make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["finalize"], cfg),
+        doc="MoE-LoRA plan of a large batch: shrink + expand of each bin in one CTA, one launch",
+    ),
 }
 
 

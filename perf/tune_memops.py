@@ -17,21 +17,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-OPS = {"attn_res": ["attn_res"], "bgmv": ["bgmv_shrink", "bgmv_expand"]}
+OPS = {"attn_res": ["attn_res"], "bgmv": ["bgmv_shrink", "bgmv_expand", "bgmv_binplan"]}
 
 
 def make(root: Path, configs: dict):
     """One export dir per config. ``overrides`` apply to every op of the config;
     ``op_overrides`` ({op: {field: value}}) to one op only (configs differ per op);
-    ``flags`` ({flag: value}) exports only the variants that have them."""
+    ``flags`` ({flag: value}) exports only the variants that have them. BGMV configs with
+    ``"fused": false`` time plans as two kernels (prepare_bgmv_moe(fused=False))."""
     import shutil
     from cutekern.export import ExportError, export
+    from cutekern.registry import default_config
     for name, c in configs.items():
         d = root / name
         entries = []
         try:
             for op in OPS[c["op"]]:
-                ov = {**c.get("overrides", {}), **c.get("op_overrides", {}).get(op, {})}
+                fields = {k for k, _ in default_config(op, c["design"])}
+                ov = {k: v for k, v in c.get("overrides", {}).items() if k in fields}
+                ov.update(c.get("op_overrides", {}).get(op, {}))
                 man = export(("sm_90a",), d / op, designs=[c["design"]], ops=[op],
                              overrides={c["design"]: ov}, flags=c.get("flags"),
                              log=lambda *a: None)
@@ -105,12 +109,20 @@ def _bgmv(row):
     from cutekern.reference import bgmv_expand_reference, bgmv_shrink_reference
     ok = True
     r = int(os.environ.get("TUNE_BGMV_R", 32))   # LoRA rank of the timed and checked problems
+    fused = row.get("fused")                     # None: the plan's choice
     x, a, b, ids, w, lora = problem(1024, 2688, r, 128, 6, 3)
     lora[::5] = -1
-    full = prepare_bgmv_moe(x, a, b, ids, w, lora)
+    full = prepare_bgmv_moe(x, a, b, ids, w, lora, fused=fused)
     full.run()
+    two = prepare_bgmv_moe(x, a, b, ids, w, lora, fused=False)   # the two-kernel bin path
+    two.run()
+    torch.cuda.synchronize()
+    if not (torch.equal(two.out, full.out) and torch.equal(two.shrink_out, full.shrink_out)):
+        print("  WRONG bgmv: plan bits differ from the two-kernel plan's", flush=True)
+        ok = False
     for t, sl in ((1024, slice(None)), (1, slice(7, 8)), (33, slice(100, 133)), (300, slice(500, 800))):
-        p = prepare_bgmv_moe(x[sl].contiguous(), a, b, ids[sl].contiguous(), w[sl].contiguous(), lora[sl].contiguous())
+        p = prepare_bgmv_moe(x[sl].contiguous(), a, b, ids[sl].contiguous(), w[sl].contiguous(), lora[sl].contiguous(),
+                             fused=fused)
         p.run()
         torch.cuda.synchronize()
         s_ref = bgmv_shrink_reference(x[sl], a, ids[sl], lora[sl])
@@ -123,11 +135,18 @@ def _bgmv(row):
         ok &= good
     for t in (1, 4, 8, 32, 256, 512, 1024, 2048):
         x, a, b, ids, w, lora = problem(t, 2688, r, 128, 6, t)
-        p = prepare_bgmv_moe(x, a, b, ids, w, lora)
+        p = prepare_bgmv_moe(x, a, b, ids, w, lora, fused=fused)
         row[f"T{t}_us"] = round(1e3 * time_graph_ms(p.run, reps=20), 2)
-        if t >= 256:  # the two kernels alone (each its own replay: no overlap)
-            row[f"T{t}s_us"] = round(1e3 * time_graph_ms(p._shrink.launch, reps=20), 2)
-            row[f"T{t}e_us"] = round(1e3 * time_graph_ms(p._expand.launch, reps=20), 2)
+        if t >= 256 and len(p._calls) == 2:  # the two kernels alone (each its own replay)
+            row[f"T{t}s_us"] = round(1e3 * time_graph_ms(p._calls[0].launch, reps=20), 2)
+            row[f"T{t}e_us"] = round(1e3 * time_graph_ms(p._calls[1].launch, reps=20), 2)
+    # more benchmark shapes at large T: $TUNE_BGMV_SHAPES = "H:r:E:k,..."
+    for shape in filter(None, os.environ.get("TUNE_BGMV_SHAPES", "").split(",")):
+        h, rr, e, k = (int(v) for v in shape.split(":"))
+        for t in (256, 512, 1024, 2048):
+            x, a, b, ids, w, lora = problem(t, h, rr, e, k, t)
+            p = prepare_bgmv_moe(x, a, b, ids, w, lora, fused=fused)
+            row[f"T{t}_H{h}r{rr}E{e}k{k}_us"] = round(1e3 * time_graph_ms(p.run, reps=20), 2)
     return ok
 
 

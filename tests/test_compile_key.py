@@ -78,6 +78,25 @@ def test_source_hash_covers_dsl_version_and_source(session_cache, tmp_path, monk
         ck.source_hash.cache_clear()
 
 
+def test_source_hash_covers_sibling_kernels():
+    """bgmv_binplan runs the shrink's and the expand's device code: editing either changes its
+    hash (a stale plan kernel would otherwise be served from the cache)."""
+    from cutekern import compile as ck
+    ck.source_hash.cache_clear()
+    before = ck.source_hash("bgmv_binplan", "sm90")
+    for name in ("bgmv_shrink.py", "bgmv_expand.py"):
+        src = ck._REPO_ROOT / "kernels" / "sm90" / name
+        text = src.read_text()
+        try:
+            src.write_text(text + "\n# edit\n")
+            ck.source_hash.cache_clear()
+            assert ck.source_hash("bgmv_binplan", "sm90") != before, name
+        finally:
+            src.write_text(text)
+            ck.source_hash.cache_clear()
+    assert ck.source_hash("bgmv_binplan", "sm90") == before
+
+
 def test_source_hash_covers_design_helpers():
     """kernels/<design>/_*.py (device code shared by a design's kernels) is part of the
     hash of exactly that design's ops."""

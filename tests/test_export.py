@@ -31,6 +31,10 @@ OP_FINGERPRINTS = {
     # schedules, so the pair and bin schedules share one arithmetic
     ("bgmv_shrink", "sm90"): ({"LDGSTS", "LDGDEPBAR", "VOTE", "HMMA"}, ATOMICS),
     ("bgmv_expand", "sm90"): ({"LDGSTS", "LDGDEPBAR", "VOTE", "HMMA"}, ATOMICS),
+    # the large-batch plan kernel (shrink + expand per bin, one launch): both groups' device
+    # code, and no PDL wait (nothing runs before it in the plan)
+    ("bgmv_binplan", "sm90"): ({"LDGSTS", "LDGDEPBAR", "VOTE", "HMMA", "STG"},
+                             ATOMICS | {"ACQBULK"}),
     ("bgmv_shrink", "ada"): ({"LDGSTS", "LDGDEPBAR", "SHFL"}, ATOMICS | {"UTMALDG", "HGMMA"}),
     ("bgmv_expand", "ada"): ({"LDGSTS", "LDGDEPBAR"}, ATOMICS | {"UTMALDG", "HGMMA"}),
     ("bgmv_shrink", "sm100"): ({"UBLKCP", "SYNCS", "VOTE"}, ATOMICS | {"LDGSTS"}),
@@ -122,7 +126,8 @@ def test_bgmv_sm90_expand_overlaps_shrink_through_pdl(exported):
     out, manifest = exported
     seen = set()
     for e in manifest["kernels"]:
-        if e["design"] != "sm90" or e["arch"] != "sm_90a" or not e["op"].startswith("bgmv_"):
+        if e["design"] != "sm90" or e["arch"] != "sm_90a" or \
+                e["op"] not in ("bgmv_shrink", "bgmv_expand"):
             continue
         ops = _opcodes((out / e["object"]).with_suffix(".sass").read_text())
         if e["op"] == "bgmv_shrink":

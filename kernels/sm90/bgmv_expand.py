@@ -403,11 +403,12 @@ class BgmvExpandSm90:
                   slist: cute.Tensor, off: cutlass.Int32, n: cutlass.Int32,
                   l_b: cutlass.Int32, e_b: cutlass.Int32, N: cutlass.Int32,
                   tidx: cutlass.Int32, warp: cutlass.Int32, lane: cutlass.Int32,
-                  pre: cutlass.Boolean, RW: cutlass.Constexpr):
+                  pre: cutlass.Boolean, RW: cutlass.Constexpr, slot0=None):
         """The n (<= G) pairs slist[off .. off+n) of bin (l_b, e_b): their s rows become mma
         fragments in registers, then the bin's B slab streams through the ring in chunks of
         CN columns (rows of RW elements); warp w runs n-tiles w, w + warps, ... of each
-        chunk for every m-tile."""
+        chunk for every m-tile. slot0 (bgmv_binplan): chunk j sits in ring slot (slot0 + j) %
+        stages (its first stages were issued by the shrink group before it; pre is True)."""
         cfg = self.cfg
         NT, S, MT = cfg.bin_threads, cfg.bin_stages, cfg.bin_mtiles
         NB = 2 if RW == _R_MAX else 1             # 32-element k blocks of R
@@ -452,10 +453,16 @@ class BgmvExpandSm90:
             cute.arch.cp_async_wait_group(S - 2)
             cute.arch.sync_threads()
             nxt = hs + (S - 1)
-            if nxt < nch:
-                self.bin_load_stage(b, slab, sB, N, nrv, nxt, nxt % S, tidx, RW)
-            cute.arch.cp_async_commit_group()
-            slot = hs % S
+            if cutlass.const_expr(slot0 is None):
+                if nxt < nch:
+                    self.bin_load_stage(b, slab, sB, N, nrv, nxt, nxt % S, tidx, RW)
+                cute.arch.cp_async_commit_group()
+                slot = hs % S
+            else:
+                if nxt < nch:
+                    self.bin_load_stage(b, slab, sB, N, nrv, nxt, (slot0 + nxt) % S, tidx, RW)
+                cute.arch.cp_async_commit_group()
+                slot = (slot0 + hs) % S
             for ii in cutlass.range_constexpr(NTW):
                 nt = warp + NWP * ii
                 bw = cute.make_rmem_tensor((_VEC, NB), self.dtype)

@@ -398,11 +398,13 @@ class BgmvShrinkSm90:
                   sX: cute.Tensor, slist: cute.Tensor, off: cutlass.Int32, n: cutlass.Int32,
                   l_b: cutlass.Int32, e_b: cutlass.Int32, K: cutlass.Int32,
                   tidx: cutlass.Int32, warp: cutlass.Int32, lane: cutlass.Int32,
-                  pre: cutlass.Boolean, RT: cutlass.Constexpr):
+                  pre: cutlass.Boolean, RT: cutlass.Constexpr, tail=None):
         """s rows of the n (<= G) pairs slist[off .. off+n): A[l_b, e_b] and the pairs' x rows
         stream through the ring once (stages of HC = bin_chunk_h * 64 / RT columns); the same
         segment chains as the pair schedule: a chain closes (tot += cur) where a new segment
-        starts, which may be inside a stage."""
+        starts, which may be inside a stage. tail (bgmv_binplan): tail(j, slot) issues stage j
+        of what follows in the same ring (the expand's B chunks), one commit group each, in
+        the ring positions after the last A stage."""
         cfg = self.cfg
         BW, MT, G = cfg.bin_warps, cfg.bin_mtiles, 16 * cfg.bin_mtiles
         HC, S = cfg.bin_chunk_h * (_R_MAX // RT), cfg.bin_stages
@@ -434,6 +436,8 @@ class BgmvShrinkSm90:
                     self.bin_load_stage(x, a, slab, sA, sX, xtok, nvec, st, st, tidx, RT, 2)
                 else:
                     self.bin_load_stage(x, a, slab, sA, sX, xtok, nvec, st, st, tidx, RT, 0)
+            elif cutlass.const_expr(tail is not None):
+                tail(st - n_st, st)
             cute.arch.cp_async_commit_group()
 
         tot = cute.make_rmem_tensor((4, UM), cutlass.Float32)
@@ -446,6 +450,8 @@ class BgmvShrinkSm90:
             nxt = hs + (S - 1)
             if nxt < n_st:
                 self.bin_load_stage(x, a, slab, sA, sX, xtok, nvec, nxt, nxt % S, tidx, RT, 0)
+            elif cutlass.const_expr(tail is not None):
+                tail(nxt - n_st, nxt % S)
             cute.arch.cp_async_commit_group()
             slot = hs % S
             for i in cutlass.range_constexpr(UM):

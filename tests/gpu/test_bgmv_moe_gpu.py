@@ -67,13 +67,13 @@ def check_expand(y, s, b, ids, lora, w):
     assert not bad.any(), f"expand: {bad.sum().item()} / {bad.numel()} off; max err {err.max().item():.3g}"
 
 
-def run_plan(x, a, b, ids, w, lora, *, finalize=True, order=None):
+def run_plan(x, a, b, ids, w, lora, *, finalize=True, order=None, fused=None):
     t, k = ids.shape
     n, r = b.shape[2], a.shape[2]
     s = torch.full((t * k, r), float("nan"), dtype=x.dtype, device="cuda")
     y = torch.full((t, n) if finalize else (t * k, n), float("nan"), device="cuda")
     plan = prepare_bgmv_moe(x, a, b, ids, w, lora, sorted_token_ids=order, finalize=finalize,
-                            out=y, shrink_out=s)
+                            out=y, shrink_out=s, fused=fused)
     plan.run()
     torch.cuda.synchronize()
     return plan
@@ -167,6 +167,31 @@ def test_batch_invariance(design, finalize, h, n, r):
             assert torch.equal(sub.out.view(len(sel), k, -1), full.out.view(t, k, -1)[sel])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("finalize", [True, False])
+@pytest.mark.parametrize("t,k,h,n,r,num_l,num_e,skew", [
+    (1024, 6, 2688, 2688, 32, 8, 128, False),
+    (700, 8, 1000, 1016, 24, 4, 64, False),
+    (400, 2, 3080, 520, 64, 8, 128, True),
+    (300, 6, 2688, 1032, 16, 8, 128, False),
+])
+def test_fused_plan_equals_two_kernels_bitwise(design, dtype, finalize, t, k, h, n, r, num_l,
+                                               num_e, skew):
+    """Large-batch plans run shrink + expand of each bin in one launch where the design has
+    that kernel (sm90): the same bits as the two-kernel plan, and both against the
+    references. Odd shapes: partial k blocks / column chunks at the ends of H, N, R; R = 16
+    and 64 run the other ring-row specializations; lora -1 tokens (dead pairs) everywhere."""
+    x, a, b, ids, w, lora = make(t, k, h, n, r, num_l, num_e, dtype, seed=t + r, skew=skew)
+    one = run_plan(x, a, b, ids, w, lora, finalize=finalize)
+    two = run_plan(x, a, b, ids, w, lora, finalize=finalize, fused=False)
+    if design == "sm90":
+        assert one.meta["fused"] and not two.meta["fused"]
+    check_shrink(one.shrink_out, x, a, ids, lora)
+    check_expand(one.out, one.shrink_out, b, ids, lora, w if finalize else None)
+    assert torch.equal(one.shrink_out, two.shrink_out)
+    assert torch.equal(one.out, two.out)
+
+
 def test_one_bin_with_repeated_expert_ids(design):
     """Every token sends all 8 slots to expert 0 under adapter 0: one bin holds all T * k
     pairs, more per token round than the sm90 bin list holds, so the bin kernels collect
@@ -186,7 +211,7 @@ def test_one_bin_with_repeated_expert_ids(design):
     assert torch.equal(one.out, full.out[7:8])
 
 
-# 32: pair schedules; 300 (1.76 pairs per bin): the sm90 shrink's small-bin shape; 700: bins
+# 32: pair schedules; 300 (1.76 pairs per bin) and 700: bins (sm90: the one-launch plan kernel)
 @pytest.mark.parametrize("t", [32, 300, 700])
 def test_graph_replay_with_new_contents(design, t, warm_graph_pool):
     k, h, n, r, num_l, num_e = 6, 2688, 2688, 32, 8, 128
