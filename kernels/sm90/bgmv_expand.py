@@ -105,6 +105,16 @@ class BgmvExpandSm90Config:
     bin_ctas_per_sm: int = 4
     bin_prefetch_min: int = 2      # pairs per bin (P / (L * E)) from which a bin's first B
                                    # stages are issued before its pair scan (0: never)
+    pair_dense_items: int = 264    # pair schedule at R <= 32: from this many work items (2 CTAs
+                                   # per SM on 132 SMs: one wave) up to dense_sms *
+                                   # pair_dense_ctas_per_sm, the kernel is the R <= 32 build alone,
+                                   # one item per CTA, bounded to 3 CTAs per SM, so e.g.
+                                   # H_out=2688 at T=7..9 still runs in one wave (huge: never).
+                                   # H200 before: T=6 12.0 us, T=7 14.0 (perf/small_t_sweep.py).
+                                   # Plans only (after_shrink): the stand-alone finalize build
+                                   # spilled a register at that bound.
+    pair_dense_ctas_per_sm: int = 3
+    dense_sms: int = 132           # SMs assumed for that one wave (the H200's)
     fin_threads: int = 128         # finalize pass: 4 columns per thread
     fin_ctas_per_sm: int = 8
     pdl: bool = True
@@ -177,41 +187,43 @@ class BgmvExpandSm90:
                     grid=[f_grid, 1, 1], block=[cfg.fin_threads, 1, 1], stream=stream)
         else:
             items = ((N + _CN - 1) // _CN) * T
-            grid = cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm)
-            grid = cutlass.max(grid, 1)
-            self.kernel(s, b, topk_ids, lora, topk_w, y).launch(
-                grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
-                use_pdl=self.pdl)
+            dense = cutlass.Boolean(False)
+            if cutlass.const_expr(self.pdl):
+                dense = (items >= cfg.pair_dense_items) & (b.shape[3] <= _KB) \
+                    & (items <= cfg.dense_sms * cfg.pair_dense_ctas_per_sm)
+            if dense:
+                self.launch_dense(s, b, topk_ids, lora, topk_w, y, items, stream)
+            else:
+                grid = cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm)
+                grid = cutlass.max(grid, 1)
+                self.kernel(s, b, topk_ids, lora, topk_w, y, False).launch(
+                    grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+                    use_pdl=self.pdl)
+
+    @cute.jit
+    def launch_dense(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
+                     lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor,
+                     items: cutlass.Int32, stream: cuda.CUstream):
+        """The pair kernel's R <= 32 build, one item per CTA in one wave (plans only)."""
+        if cutlass.const_expr(self.pdl):
+            self.kernel(s, b, topk_ids, lora, topk_w, y, True).launch(
+                grid=[items, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+                min_blocks_per_mp=self.cfg.pair_dense_ctas_per_sm, preferred_smem_carveout=25,
+                use_pdl=True)
 
     # ------------------------------------------------------------------ pair schedule
     @cute.kernel
     def kernel(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
-               lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor):
+               lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor, r32: cutlass.Constexpr):
+        """r32: the build for R <= 32 only (launched with pair_dense_ctas_per_sm)."""
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        g = lane >> 2
-        q = lane & 3
-
         T = lora.shape[0]
-        K = topk_ids.shape[1]
-        L = b.shape[0]
-        E = b.shape[1]
         N = b.shape[2]
-        R = b.shape[3]
-        nrv = R // _VEC
-        n_chunks = (N + _CN - 1) // _CN
-        items = n_chunks * T
-        zmask = cutlass.Int32(N) >> 30           # 0 at run time, opaque to ptxas
-
-        vec_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                       num_bits_per_copy=128)
-        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
-                                      num_bits_per_copy=64)
-        sv = cute.zipped_divide(s, (1, _VEC))        # ((1, 8), (P, nrv))
-        bv = cute.zipped_divide(b, (1, 1, 1, _VEC))  # ((1,1,1,8), (L, E, N, nrv))
+        items = (N + _CN - 1) // _CN * T
 
         if cutlass.const_expr(self.finalize):
             smem = cutlass.utils.SmemAllocator()
@@ -220,70 +232,135 @@ class BgmvExpandSm90:
             slive = smem.allocate_tensor(cutlass.Int32, cute.make_layout((_MAX_K,)), 16)
             sw = smem.allocate_tensor(cutlass.Float32, cute.make_layout((_MAX_K,)), 16)
 
-        for w in cutlass.range(bid, items, nblk):
-            c = w // T
-            t = w - c * T
-            n0 = c * _CN
-            j = warp
-            p = t * K + j
-            lo = lora[t]
-            live = cutlass.Boolean(False)
-            # lane (g, q) ends with columns n0 + 8g + 2q, +1 (n-tile g of the chunk)
-            d = cute.make_rmem_tensor((2,), cutlass.Float32)
-            d.fill(0.0)
-            wj = cutlass.Float32(0.0)
-            if j < K:
-                if cutlass.const_expr(self.finalize):
-                    # the routing weight is loaded with the routing (off the critical path
-                    # that starts at the wait) and handed to the finalize through smem
-                    wj = topk_w[t, j]
-                ex = topk_ids[t, j]
-                live = (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)
-                if live:
-                    if R > _KB:
-                        self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
-                                        zmask, 2)
-                    else:
-                        self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
-                                        zmask, 1)
+        if cutlass.const_expr(not self.finalize):
+            sd, slive, sw = None, None, None
+        if cutlass.const_expr(r32):
+            # one item per CTA (the launch covers every item): no loop-carried registers
+            if bid < items:
+                self._pair_item(bid, s, b, topk_ids, lora, topk_w, y, sd, slive, sw, tidx,
+                                warp, lane, r32)
+        else:
+            for w in cutlass.range(bid, items, nblk):
+                self._pair_item(w, s, b, topk_ids, lora, topk_w, y, sd, slive, sw, tidx,
+                                warp, lane, r32)
 
+    @cute.jit
+    def _pair_item(self, w: cutlass.Int32, s: cute.Tensor, b: cute.Tensor,
+                   topk_ids: cute.Tensor, lora: cute.Tensor, topk_w: cute.Tensor,
+                   y: cute.Tensor, sd, slive, sw, tidx: cutlass.Int32, warp: cutlass.Int32,
+                   lane: cutlass.Int32, r32: cutlass.Constexpr):
+        """Work item w = (column chunk, token) of the pair schedule."""
+        g = lane >> 2
+        q = lane & 3
+        T = lora.shape[0]
+        K = topk_ids.shape[1]
+        L = b.shape[0]
+        E = b.shape[1]
+        N = b.shape[2]
+        R = b.shape[3]
+        nrv = R // _VEC
+        zmask = cutlass.Int32(N) >> 30           # 0 at run time, opaque to ptxas
+        vec_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                       num_bits_per_copy=128)
+        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
+                                      num_bits_per_copy=64)
+        sv = cute.zipped_divide(s, (1, _VEC))        # ((1, 8), (P, nrv))
+        bv = cute.zipped_divide(b, (1, 1, 1, _VEC))  # ((1,1,1,8), (L, E, N, nrv))
+        c = w // T
+        t = w - c * T
+        n0 = c * _CN
+        j = warp
+        p = t * K + j
+        lo = lora[t]
+        live = cutlass.Boolean(False)
+        # lane (g, q) ends with columns n0 + 8g + 2q, +1 (n-tile g of the chunk)
+        d = cute.make_rmem_tensor((2,), cutlass.Float32)
+        d.fill(0.0)
+        wj = cutlass.Float32(0.0)
+        if j < K:
             if cutlass.const_expr(self.finalize):
-                for e2 in cutlass.range_constexpr(2):
-                    sd[8 * g + 2 * q + e2, j] = d[e2]
-                if lane == 0:
-                    slive[j] = cutlass.Int32(live)
+                # the routing weight is loaded with the routing (off the critical path
+                # that starts at the wait) and handed to the finalize through smem
+                wj = topk_w[t, j]
+            ex = topk_ids[t, j]
+            live = (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)
+            if live:
+                if cutlass.const_expr(r32 and self.finalize):
+                    # wj goes to shared memory once the b loads are out (not held in a
+                    # register under them: at 80 registers it spilled)
+                    self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
+                                    zmask, 1, lambda: self._put_w(sw, j, wj, lane), b)
+                elif cutlass.const_expr(r32):
+                    self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
+                                    zmask, 1, None, b)
+                elif R > _KB:
+                    self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
+                                    zmask, 2)
+                else:
+                    self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
+                                    zmask, 1)
+
+        if cutlass.const_expr(self.finalize):
+            for e2 in cutlass.range_constexpr(2):
+                sd[8 * g + 2 * q + e2, j] = d[e2]
+            if lane == 0:
+                slive[j] = cutlass.Int32(live)
+                if cutlass.const_expr(not r32):   # (r32: stored in _pair_dots)
                     sw[j] = wj
-                cute.arch.sync_threads()
-                if tidx < _CN:
-                    n = n0 + tidx
-                    out = cutlass.Float32(0.0)
-                    for jj in cutlass.range(K):
-                        if slive[jj] != 0:
-                            out = out + sw[jj] * sd[tidx, jj]
-                    if n < N:
-                        y[t, n] = out
-                # the next item rewrites sd / slive
-                cute.arch.sync_threads()
-            else:
-                n = n0 + 8 * g + 2 * q
-                if (j < K) & (n < N):     # (n even, N % 8 == 0: n + 1 < N too)
-                    cute.copy(st_atom, d, _pair_at(y, p, n))
+            cute.arch.sync_threads()
+            if tidx < _CN:
+                n = n0 + tidx
+                out = cutlass.Float32(0.0)
+                for jj in cutlass.range(K):
+                    if slive[jj] != 0:
+                        out = out + sw[jj] * sd[tidx, jj]
+                if n < N:
+                    y[t, n] = out
+            # the next item rewrites sd / slive
+            cute.arch.sync_threads()
+        else:
+            n = n0 + 8 * g + 2 * q
+            if (j < K) & (n < N):     # (n even, N % 8 == 0: n + 1 < N too)
+                cute.copy(st_atom, d, _pair_at(y, p, n))
+
+
+    @cute.jit
+    def _put_w(self, sw: cute.Tensor, j: cutlass.Int32, wj: cutlass.Float32,
+               lane: cutlass.Int32):
+        if lane == 0:
+            sw[j] = wj
 
     @cute.jit
     def _pair_dots(self, sv, bv, vec_atom, d: cute.Tensor, p: cutlass.Int32, lo: cutlass.Int32,
                    ex: cutlass.Int32, n0: cutlass.Int32, N: cutlass.Int32, nrv: cutlass.Int32,
                    g: cutlass.Int32, q: cutlass.Int32, zmask: cutlass.Int32,
-                   NB: cutlass.Constexpr):
-        """d = the chains of n-tile g of the chunk for pair p (NB k blocks of R)."""
+                   NB: cutlass.Constexpr, after_b=None, b=None):
+        """d = the chains of n-tile g of the chunk for pair p (NB k blocks of R). after_b:
+        called once the b loads are issued. b (NB = 1 only): rows addressed from the slab's
+        base pointer with 32-bit offsets, rows past N not loaded (zeros; same products):
+        fewer address registers than a clamped 64-bit address per load."""
         bf = cute.make_rmem_tensor((_VEC, NB, 8), self.dtype)
         sf = cute.make_rmem_tensor((_VEC, NB), self.dtype)
         # every load of the pair first: b (an input) before the wait for the shrink that
         # writes s (self.pdl; a no-op once that kernel is done)
-        for i in cutlass.range_constexpr(8):
-            n = cutlass.min(n0 + 8 * i + g, N - 1)
-            for kb in cutlass.range_constexpr(NB):
-                v = cutlass.min(4 * kb + q, nrv - 1)
-                cute.copy(vec_atom, bv[(None, (lo, ex, n, v))], bf[None, kb, i])
+        if cutlass.const_expr(b is not None):
+            bf.fill(0.0)
+            s_n = cutlass.Int32(b.stride[2])
+            base = slab_ptr(b, lo, ex, _VEC) + cute.assume(
+                (n0 + g) * s_n + cutlass.min(q, nrv - 1) * _VEC, divby=_VEC)
+            for i in cutlass.range_constexpr(8):
+                if n0 + 8 * i + g < N:
+                    src = cute.make_tensor(base + cute.assume(8 * i * s_n, divby=_VEC),
+                                           cute.make_layout(_VEC))
+                    cute.copy(vec_atom, src, bf[None, 0, i])
+        else:
+            for i in cutlass.range_constexpr(8):
+                n = cutlass.min(n0 + 8 * i + g, N - 1)
+                for kb in cutlass.range_constexpr(NB):
+                    v = cutlass.min(4 * kb + q, nrv - 1)
+                    cute.copy(vec_atom, bv[(None, (lo, ex, n, v))], bf[None, kb, i])
+        if cutlass.const_expr(after_b is not None):
+            after_b()
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
         for kb in cutlass.range_constexpr(NB):
