@@ -264,9 +264,10 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
     (int32, optional): the pairs in expert-sorted order (padding entries >= T*k).
     ``check_indices`` checks the index values now (one device sync); run() never checks,
     so replays with new routing must keep ids in range (out-of-range pairs are skipped).
-    ``fused`` (None: automatic): large batches run shrink and expand of each (adapter,
-    expert) bin in one launch where the design has that kernel (sm90); False keeps the two
-    kernels. The results are bit-identical either way.
+    ``fused`` (None or True: where available): large batches (T*k >= the kernel's
+    bin_min_pairs, 384) run shrink and expand of each (adapter, expert) bin in one launch
+    where the design has that kernel (sm90); False keeps the two kernels. The results are
+    bit-identical either way; ``plan.meta["fused"]`` says which ran.
     """
     op = "prepare_bgmv_moe"
     t, h, num_l, num_e, r = _check_x_a(op, x, lora_a)
