@@ -132,31 +132,38 @@ def _row_split(m, design):
     return 1
 
 
-# On sm_90a the Ada-design kernel (also built for sm_90a) serves launches of at most one
-# block source (rows of 2-3 loads) from this many rows, hidden tier 8192 (where it was
-# measured): perf/results/attn_res.json at cdc0b8a / 007e1b1, K=1, H=7168: M=512 17.9 vs
-# 19.0-19.6 us, M=1024 28.3 vs 30.7-31.3, M=8192 158 vs 163-167; M=256 a tie (12.6-12.7 vs
-# 12.4-13.1). With so few sources per row the sm90 kernel's per-row costs dominate.
-_ADA_SHORT_ROWS = 512
+# sm90, one CTA per row, hidden tier 8192 (where it was measured): the build with the online
+# schedule only (a CTA reduction per source, each slot freed as soon as it is consumed) for rows
+# of at most one block source, and for launches of at most _ONLINE_LOADS loads (rows x (K + 2));
+# the batched schedule (one reduction per row, a row's slots held until its mix) otherwise.
+# H200, H=7168, same-run A/B, two rounds (perf/results/tune_memops_h200_attn_res_online.json), us
+# online vs batched (vs the Ada-design kernel, which served K <= 1 from M = 512 before):
+# K=1 M=256 10.9 vs 12.9 (12.2), M=512 16.8 vs 19.1 (17.5-17.9), M=1024 28.0-28.1 vs 30.4-30.7
+# (28.2), M=4096 82.6-83.2 vs 84.9 (84.6-86.0); K=4 M=128 10.7 vs 12.3, M=256 15.3-15.4 vs 17.1,
+# M=512 25.2 vs 26.0-26.2, M=1024 41.4 vs 41.4-41.8, M=4096 128-130 vs 121.8; K=8 M=128 13.3 vs
+# 14.9-15.1, M=256 20.5-20.6 vs 21.5-21.6, M=512 34.4-34.6 vs 33.4-33.5, M=1024 57.4 vs 55.3-55.7.
+_ONLINE_LOADS = 3072
 
 
 def choose_kernel(m, h, arch, design, num_blocks=None):
     """(design, flags) of the kernel that serves M rows of hidden size H (num_blocks K).
 
     Each arch runs its own design (on sm_90a: the cluster-split sm90 kernel for small M, the
-    sm90 kernel from M = 128; the Ada-design kernel for K <= 1 from M = 512, see
-    _ADA_SHORT_ROWS). The sm90 kernel beats the Ada-design kernel at K = 8 at every M
-    (perf/results/attn_res.json at fc0b48b: M=256 21.5 vs 22.3 us, M=512 34.1 vs 35.6,
-    M=1024 57.2 vs 60.2). $CUTEKERN_DESIGN forces a design (then no per-shape switch)."""
-    from .arch import DESIGNS_FOR_ARCH, ENV_DESIGN
+    sm90 kernel from M = 128, in its online-schedule build for short rows or few rows, see
+    _ONLINE_LOADS). The sm90 kernel beats the Ada-design kernel (also built for sm_90a) at
+    every measured shape (K = 8: perf/results/attn_res.json at fc0b48b, M=256 21.5 vs 22.3 us,
+    M=1024 57.2 vs 60.2; K <= 1 since the online build, see above). $CUTEKERN_DESIGN forces a
+    design."""
+    from .registry import OPS
     tier = next(t for t in HIDDEN_TIERS if h <= t)
-    if (not os.environ.get(ENV_DESIGN) and design == "sm90" and "ada" in DESIGNS_FOR_ARCH[arch]
-            and num_blocks is not None and num_blocks <= 1 and m >= _ADA_SHORT_ROWS
-            and tier == HIDDEN_TIERS[0]):
-        design = "ada"
     # $CUTEKERN_ATTN_RES_SPLIT forces a split (tuning sweeps, perf/tune_memops.py)
     split = int(os.environ.get("CUTEKERN_ATTN_RES_SPLIT", 0)) or _row_split(m, design)
-    return design, {"max_hidden": tier, "row_split": split}
+    flags = {"max_hidden": tier, "row_split": split}
+    if any("online" in dict(f) for _, f in OPS["attn_res"].variants_for(design)):
+        k = 8 if num_blocks is None else num_blocks
+        flags["online"] = bool(split == 1 and tier == HIDDEN_TIERS[0]
+                               and (k <= 1 or m * (k + 2) <= _ONLINE_LOADS))
+    return design, flags
 
 
 def _function(m, h, num_blocks, device):

@@ -87,11 +87,15 @@ def _attn_variants():
                  for dt in ("float16", "bfloat16") for d in (64, 128))
 
 
-def _attn_res_variants(splits=(1,)):
+def _attn_res_variants(splits=(1,), online=False):
     # the hidden size tier bounds the on-chip row buffers; any H % 8 == 0 up to it runs.
-    # row_split > 1: a row's H is split over the CTAs of a cluster (small M: latency)
-    return tuple(((("dtype", "bfloat16"),), (("max_hidden", h), ("row_split", r)))
-                 for h in (8192, 16384) for r in splits)
+    # row_split > 1: a row's H is split over the CTAs of a cluster (small M: latency).
+    # online (sm90, row_split 1): the build with the online schedule only (short rows, few rows)
+    if not online:
+        return tuple(((("dtype", "bfloat16"),), (("max_hidden", h), ("row_split", r)))
+                     for h in (8192, 16384) for r in splits)
+    return tuple(((("dtype", "bfloat16"),), (("max_hidden", h), ("row_split", r), ("online", o)))
+                 for h in (8192, 16384) for r in splits for o in ((False, True) if r == 1 else (False,)))
 
 
 def _bgmv_shrink_variants():
@@ -130,8 +134,9 @@ OPS: dict = {
         abi=_abi.attn_res_abi,
         designs=_impls("attn_res", "AttnRes", "AttnRes"),
         variants=_attn_res_variants(),
-        design_variants=(("sm90", _attn_res_variants((1, 2, 4, 8))),),
-        make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["max_hidden"], cfg, row_split=fl["row_split"]),
+        design_variants=(("sm90", _attn_res_variants((1, 2, 4, 8), online=True)),),
+        make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["max_hidden"], cfg, row_split=fl["row_split"],
+                                      **({"online": fl["online"]} if "online" in fl else {})),
         doc="Kimi attention residuals: softmax over depth of block snapshots, fused serving form",
     ),
     "bgmv_shrink": OpSpec(

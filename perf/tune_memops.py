@@ -94,9 +94,10 @@ def _attn_res(design, splits, row):
             out = torch.empty(m, h, dtype=bf, device="cuda")
             r = prepare_attn_res(prefix, d, blocks, nw, qw, onw, out, num_blocks=8)
             row[f"split{split}_M{m}_us"] = round(1e3 * time_graph_ms(r.launch, reps=20), 2)
-            if split == 1 and m >= 256:  # short rows: per-row costs dominate
-                r = prepare_attn_res(prefix, d, blocks, nw, qw, onw, out, num_blocks=1)
-                row[f"split{split}_K1_M{m}_us"] = round(1e3 * time_graph_ms(r.launch, reps=20), 2)
+            if split == 1 and m >= 128:  # shorter rows: per-row costs weigh more
+                for kk in (1, 4):
+                    r = prepare_attn_res(prefix, d, blocks, nw, qw, onw, out, num_blocks=kk)
+                    row[f"split{split}_K{kk}_M{m}_us"] = round(1e3 * time_graph_ms(r.launch, reps=20), 2)
     os.environ.pop("CUTEKERN_ATTN_RES_SPLIT", None)
     return ok
 

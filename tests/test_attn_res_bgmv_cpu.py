@@ -171,32 +171,34 @@ def test_bgmv_validation_names_the_argument():
 
 def test_attn_res_kernel_choice(monkeypatch):
     """sm_90a: the cluster-split sm90 kernel for small M (split 8 up to 12 rows, 4 up to 16,
-    2 up to 64), the sm90 kernel from M = 128, the Ada-design kernel for K <= 1 from M = 512;
+    2 up to 64), the sm90 kernel from M = 128, in its online-schedule build for rows of at most
+    one block source and for launches of at most 3072 loads (M * (K + 2)), hidden tier 8192;
     a design forced by $CUTEKERN_DESIGN is kept, designs without splits never get one; other
     arches keep their design."""
     from cutekern.attn_res import choose_kernel
     monkeypatch.delenv("CUTEKERN_DESIGN", raising=False)
     monkeypatch.delenv("CUTEKERN_ATTN_RES_SPLIT", raising=False)
-    assert choose_kernel(1, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 8})
+    sm90 = lambda h, r, o=False: ("sm90", {"max_hidden": h, "row_split": r, "online": o})  # noqa: E731
+    assert choose_kernel(1, 7168, "sm_90a", "sm90") == sm90(8192, 8)
     assert choose_kernel(12, 7168, "sm_90a", "sm90")[1]["row_split"] == 8
     assert choose_kernel(13, 7168, "sm_90a", "sm90")[1]["row_split"] == 4
     assert choose_kernel(16, 7168, "sm_90a", "sm90")[1]["row_split"] == 4
     assert choose_kernel(17, 7168, "sm_90a", "sm90")[1]["row_split"] == 2
-    assert choose_kernel(64, 7168, "sm_90a", "sm90")[1]["row_split"] == 2
-    assert choose_kernel(128, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 1})
-    assert choose_kernel(300, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 1})
-    assert choose_kernel(1024, 7168, "sm_90a", "sm90") == ("sm90", {"max_hidden": 8192, "row_split": 1})
-    assert choose_kernel(4096, 12344, "sm_90a", "sm90") == ("sm90", {"max_hidden": 16384, "row_split": 1})
+    assert choose_kernel(64, 7168, "sm_90a", "sm90", 1) == sm90(8192, 2)
+    assert choose_kernel(128, 7168, "sm_90a", "sm90", 8) == sm90(8192, 1, True)
+    assert choose_kernel(307, 7168, "sm_90a", "sm90", 8) == sm90(8192, 1, True)
+    assert choose_kernel(308, 7168, "sm_90a", "sm90", 8) == sm90(8192, 1)
+    assert choose_kernel(1024, 7168, "sm_90a", "sm90") == sm90(8192, 1)
+    assert choose_kernel(512, 7168, "sm_90a", "sm90", 4) == sm90(8192, 1, True)
+    assert choose_kernel(1024, 7168, "sm_90a", "sm90", 4) == sm90(8192, 1)
+    assert choose_kernel(4096, 7168, "sm_90a", "sm90", 1) == sm90(8192, 1, True)
+    assert choose_kernel(4096, 7168, "sm_90a", "sm90", 0) == sm90(8192, 1, True)
+    assert choose_kernel(128, 12344, "sm_90a", "sm90", 1) == sm90(16384, 1)
+    assert choose_kernel(4096, 12344, "sm_90a", "sm90") == sm90(16384, 1)
     assert choose_kernel(1, 7168, "sm_89", "ada") == ("ada", {"max_hidden": 8192, "row_split": 1})
     assert choose_kernel(1, 7168, "sm_100a", "sm100")[0] == "sm100"
     assert choose_kernel(300, 7168, "sm_90a", "ada") == ("ada", {"max_hidden": 8192, "row_split": 1})
     assert choose_kernel(1, 7168, "sm_90a", "ada") == ("ada", {"max_hidden": 8192, "row_split": 1})
-    # K <= 1 (rows of 2-3 loads) from M = 512, hidden tier 8192: the Ada-design kernel
-    assert choose_kernel(512, 7168, "sm_90a", "sm90", 1) == ("ada", {"max_hidden": 8192, "row_split": 1})
-    assert choose_kernel(4096, 7168, "sm_90a", "sm90", 0)[0] == "ada"
-    assert choose_kernel(511, 7168, "sm_90a", "sm90", 1)[0] == "sm90"
-    assert choose_kernel(4096, 7168, "sm_90a", "sm90", 2)[0] == "sm90"
-    assert choose_kernel(4096, 12344, "sm_90a", "sm90", 1)[0] == "sm90"
     assert choose_kernel(4096, 7168, "sm_100a", "sm100", 1)[0] == "sm100"
     monkeypatch.setenv("CUTEKERN_DESIGN", "sm90")  # a forced design is kept
     assert choose_kernel(4096, 7168, "sm_90a", "sm90", 1)[0] == "sm90"

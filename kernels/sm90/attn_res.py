@@ -215,7 +215,7 @@ def _st_async_f32(dst: cute.Pointer, val: Float32, mbar: cute.Pointer, peer,
 
 class AttnResSm90:
     def __init__(self, dtype, max_hidden: int, config: AttnResSm90Config = AttnResSm90Config(),
-                 row_split: int = 1):
+                 row_split: int = 1, online: bool = False):
         if not AttnResSm90.can_implement(dtype, max_hidden, config, row_split):
             raise ValueError(
                 f"AttnResSm90 cannot run {dtype}/max_hidden={max_hidden}/row_split={row_split} "
@@ -224,6 +224,12 @@ class AttnResSm90:
         self.max_hidden = max_hidden
         self.cfg = config
         self.row_split = row_split
+        # online (row_split = 1): the v1 online schedule only (cutekern.attn_res picks this
+        # build for short rows and few rows: H200, H=7168, K=1 M=256 / 1024 / 4096: 10.9 /
+        # 28.1 / 83 us vs 12.9 / 30.6 / 84.9 batched; K=8 M=128 13.3 vs 15.0, M=256 20.6 vs
+        # 21.5, but M=1024 57.5 vs 55.5; perf/results/tune_memops_h200_attn_res_online.json).
+        # A build holding both schedules ran the online one slower (K=1 M=256 11.7 us).
+        self.online = bool(online) and row_split == 1
         (self.num_warps_c, self.cpt, self.wq_smem, wq_bytes, ring_bytes,
          self.seg_max) = _layout_numbers(max_hidden, config, row_split)
         # large tier: norm_w * qk_w in smem and each source read twice from its slot
@@ -1008,7 +1014,7 @@ class AttnResSm90:
         if has_delta != 0:
             nloads = nloads + 1
         use_batched = Int32(0)  # row_split = 1 only (row_split > 1 is always batched)
-        if cutlass.const_expr(C == 1 and self.cfg.batched):
+        if cutlass.const_expr(C == 1 and self.cfg.batched and not self.online):
             if nloads + self.cfg.batched_min_free <= n_st:
                 use_batched = Int32(1)
 
