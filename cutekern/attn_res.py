@@ -134,7 +134,8 @@ def _row_split(m, design):
 
 # sm90, one CTA per row, hidden tier 8192 (where it was measured): the build with the online
 # schedule only (a CTA reduction per source, each slot freed as soon as it is consumed) for rows
-# of at most one block source, and for launches of at most _ONLINE_LOADS loads (rows x (K + 2));
+# of at most one block source (below _ADA_SHORT_ROWS rows), and for launches of at most
+# _ONLINE_LOADS loads (rows x (K + 2));
 # the batched schedule (one reduction per row, a row's slots held until its mix) otherwise.
 # H200, H=7168, same-run A/B, two rounds (perf/results/tune_memops_h200_attn_res_online.json), us
 # online vs batched (vs the Ada-design kernel, which served K <= 1 from M = 512 before):
@@ -142,7 +143,12 @@ def _row_split(m, design):
 # (28.2), M=4096 82.6-83.2 vs 84.9 (84.6-86.0); K=4 M=128 10.7 vs 12.3, M=256 15.3-15.4 vs 17.1,
 # M=512 25.2 vs 26.0-26.2, M=1024 41.4 vs 41.4-41.8, M=4096 128-130 vs 121.8; K=8 M=128 13.3 vs
 # 14.9-15.1, M=256 20.5-20.6 vs 21.5-21.6, M=512 34.4-34.6 vs 33.4-33.5, M=1024 57.4 vs 55.3-55.7.
-_ONLINE_LOADS = 3072
+# The committed benchmark (perf/results/attn_res.json at 6b43da5, with 3072 here) had K=8
+# M=256 at 21.7 us online against 21.3 batched the run before, so the bound is 2048 loads.
+# At K <= 1 from M = 8192 the Ada-design kernel stays faster (157 vs 168 us online, 163-167
+# batched), as before.
+_ONLINE_LOADS = 2048
+_ADA_SHORT_ROWS = 8192
 
 
 def choose_kernel(m, h, arch, design, num_blocks=None):
@@ -150,19 +156,21 @@ def choose_kernel(m, h, arch, design, num_blocks=None):
 
     Each arch runs its own design (on sm_90a: the cluster-split sm90 kernel for small M, the
     sm90 kernel from M = 128, in its online-schedule build for short rows or few rows, see
-    _ONLINE_LOADS). The sm90 kernel beats the Ada-design kernel (also built for sm_90a) at
-    every measured shape (K = 8: perf/results/attn_res.json at fc0b48b, M=256 21.5 vs 22.3 us,
-    M=1024 57.2 vs 60.2; K <= 1 since the online build, see above). $CUTEKERN_DESIGN forces a
-    design."""
+    _ONLINE_LOADS; the Ada-design kernel, also built for sm_90a, for K <= 1 from M = 8192).
+    $CUTEKERN_DESIGN forces a design (then no switch to another design)."""
+    from .arch import DESIGNS_FOR_ARCH, ENV_DESIGN
     from .registry import OPS
     tier = next(t for t in HIDDEN_TIERS if h <= t)
+    k = 8 if num_blocks is None else num_blocks
+    if (not os.environ.get(ENV_DESIGN) and design == "sm90" and "ada" in DESIGNS_FOR_ARCH[arch]
+            and k <= 1 and m >= _ADA_SHORT_ROWS and tier == HIDDEN_TIERS[0]):
+        design = "ada"
     # $CUTEKERN_ATTN_RES_SPLIT forces a split (tuning sweeps, perf/tune_memops.py)
     split = int(os.environ.get("CUTEKERN_ATTN_RES_SPLIT", 0)) or _row_split(m, design)
     flags = {"max_hidden": tier, "row_split": split}
     if any("online" in dict(f) for _, f in OPS["attn_res"].variants_for(design)):
-        k = 8 if num_blocks is None else num_blocks
-        flags["online"] = bool(split == 1 and tier == HIDDEN_TIERS[0]
-                               and (k <= 1 or m * (k + 2) <= _ONLINE_LOADS))
+        flags["online"] = bool(split == 1 and tier == HIDDEN_TIERS[0] and (
+            (k <= 1 and m < _ADA_SHORT_ROWS) or m * (k + 2) <= _ONLINE_LOADS))
     return design, flags
 
 

@@ -172,9 +172,9 @@ def test_bgmv_validation_names_the_argument():
 def test_attn_res_kernel_choice(monkeypatch):
     """sm_90a: the cluster-split sm90 kernel for small M (split 8 up to 12 rows, 4 up to 16,
     2 up to 64), the sm90 kernel from M = 128, in its online-schedule build for rows of at most
-    one block source and for launches of at most 3072 loads (M * (K + 2)), hidden tier 8192;
-    a design forced by $CUTEKERN_DESIGN is kept, designs without splits never get one; other
-    arches keep their design."""
+    one block source and for launches of at most 2048 loads (M * (K + 2)), hidden tier 8192;
+    the Ada-design kernel for K <= 1 from M = 8192; a design forced by $CUTEKERN_DESIGN is
+    kept, designs without splits never get one; other arches keep their design."""
     from cutekern.attn_res import choose_kernel
     monkeypatch.delenv("CUTEKERN_DESIGN", raising=False)
     monkeypatch.delenv("CUTEKERN_ATTN_RES_SPLIT", raising=False)
@@ -186,13 +186,15 @@ def test_attn_res_kernel_choice(monkeypatch):
     assert choose_kernel(17, 7168, "sm_90a", "sm90")[1]["row_split"] == 2
     assert choose_kernel(64, 7168, "sm_90a", "sm90", 1) == sm90(8192, 2)
     assert choose_kernel(128, 7168, "sm_90a", "sm90", 8) == sm90(8192, 1, True)
-    assert choose_kernel(307, 7168, "sm_90a", "sm90", 8) == sm90(8192, 1, True)
-    assert choose_kernel(308, 7168, "sm_90a", "sm90", 8) == sm90(8192, 1)
+    assert choose_kernel(204, 7168, "sm_90a", "sm90", 8) == sm90(8192, 1, True)
+    assert choose_kernel(205, 7168, "sm_90a", "sm90", 8) == sm90(8192, 1)
     assert choose_kernel(1024, 7168, "sm_90a", "sm90") == sm90(8192, 1)
-    assert choose_kernel(512, 7168, "sm_90a", "sm90", 4) == sm90(8192, 1, True)
-    assert choose_kernel(1024, 7168, "sm_90a", "sm90", 4) == sm90(8192, 1)
+    assert choose_kernel(341, 7168, "sm_90a", "sm90", 4) == sm90(8192, 1, True)
+    assert choose_kernel(512, 7168, "sm_90a", "sm90", 4) == sm90(8192, 1)
     assert choose_kernel(4096, 7168, "sm_90a", "sm90", 1) == sm90(8192, 1, True)
-    assert choose_kernel(4096, 7168, "sm_90a", "sm90", 0) == sm90(8192, 1, True)
+    assert choose_kernel(8191, 7168, "sm_90a", "sm90", 0) == sm90(8192, 1, True)
+    assert choose_kernel(8192, 7168, "sm_90a", "sm90", 1) == ("ada", {"max_hidden": 8192, "row_split": 1})
+    assert choose_kernel(8192, 7168, "sm_90a", "sm90", 2) == sm90(8192, 1)
     assert choose_kernel(128, 12344, "sm_90a", "sm90", 1) == sm90(16384, 1)
     assert choose_kernel(4096, 12344, "sm_90a", "sm90") == sm90(16384, 1)
     assert choose_kernel(1, 7168, "sm_89", "ada") == ("ada", {"max_hidden": 8192, "row_split": 1})
@@ -200,8 +202,8 @@ def test_attn_res_kernel_choice(monkeypatch):
     assert choose_kernel(300, 7168, "sm_90a", "ada") == ("ada", {"max_hidden": 8192, "row_split": 1})
     assert choose_kernel(1, 7168, "sm_90a", "ada") == ("ada", {"max_hidden": 8192, "row_split": 1})
     assert choose_kernel(4096, 7168, "sm_100a", "sm100", 1)[0] == "sm100"
-    monkeypatch.setenv("CUTEKERN_DESIGN", "sm90")  # a forced design is kept
-    assert choose_kernel(4096, 7168, "sm_90a", "sm90", 1)[0] == "sm90"
+    monkeypatch.setenv("CUTEKERN_DESIGN", "sm90")  # a forced design is kept (batched at this M)
+    assert choose_kernel(8192, 7168, "sm_90a", "sm90", 1) == sm90(8192, 1)
 
 
 def test_bgmv_sm90_config_bounds():

@@ -238,9 +238,10 @@ def test_zero_rows(design):
 @pytest.mark.parametrize("m", [1, 16, 63, 128, 300, 2048])
 def test_default_kernel_choice(monkeypatch, m):
     """No design forced: the per-shape choice (cluster-split sm90 kernel for small M, the
-    sm90 kernel from M = 128: its online-schedule build for K <= 1 and for up to 3072 loads
-    per launch, e.g. M = 128 / 300 at K = 8, the batched one at M = 2048) is correct too."""
+    sm90 kernel from M = 128: its online-schedule build for K <= 1 below M = 8192 and for up
+    to 2048 loads per launch (M = 128 at K = 8), the batched one at M = 300 / 2048; the
+    Ada-design kernel for K <= 1 from M = 8192) is correct too."""
     monkeypatch.delenv("CUTEKERN_DESIGN", raising=False)
     run_case(m, 8, 7168, 8, 7 if m % 2 else -1, seed=m + 99)
-    if m >= 300:  # K = 1: the online build at every M
+    if m >= 300:  # K = 1: the online build
         run_case(m, 2, 7168, 1, -1, seed=m + 98)
