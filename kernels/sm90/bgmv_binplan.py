@@ -55,7 +55,15 @@ class BgmvBinPlanSm90Config:
         CTAs per SM) for small_min_per_bin * L * E < P < small_per_bin * L * E (small_per_bin
         0: none), as the stand-alone shrink's small-bin shape: at 1-2 pairs per bin most bins
         hold one group of a pair or two, and twice the CTAs per SM run them in about one
-        wave. Same bits.
+        wave. Also when small_min_bins < L * E <= small_max_bins and L * E <= P <=
+        small_max_per_bin * L * E: then at least ~63% of the bins are touched, more than one
+        wave of the big shape (132 SMs x 4) and at most one of the small one (132 x 8), with
+        a pair or two each. H200 (perf/results/tune_memops_h200_bgmv_binplan_small_rule.json,
+        two rounds): H=4096 top-2 T=512 (1 pair per bin) 134.1-135.8 -> 119.6-120.0 us, T=1024
+        (2 per bin) 157.0-161.5 -> 156.9-157.5. With up to 6 per bin it also took top-6 T=1024
+        (-1.6%) and r=16 T=512 (-1.5%) but lost 1-1.5% at r=16 T=1024 and H=4096 T=2048; over
+        2048 bins (top-8 E=256 T=256, 1 per bin) it lost 17% (tune_memops_h200_bgmv_binplan_
+        shapes.json), hence the bin bounds. Same bits.
     fin_threads, fin_ctas_per_sm: the finalize pass (BgmvExpandSm90Config)."""
 
     bin_min_pairs: int = 384
@@ -73,6 +81,9 @@ class BgmvBinPlanSm90Config:
     small_warps: int = 2
     small_ctas_per_sm: int = 8
     small_stages: int = 2
+    small_min_bins: int = 840
+    small_max_bins: int = 1056
+    small_max_per_bin: int = 2
     fin_threads: int = 128
     fin_ctas_per_sm: int = 8
 
@@ -155,7 +166,9 @@ class BgmvBinPlanSm90:
         if cutlass.const_expr(self.small is not None):
             items = a.shape[0] * a.shape[1]
             P = T * topk_ids.shape[1]
-            small = (P > cfg.small_min_per_bin * items) & (P < cfg.small_per_bin * items)
+            small = ((P > cfg.small_min_per_bin * items) & (P < cfg.small_per_bin * items)) \
+                | ((items > cfg.small_min_bins) & (items <= cfg.small_max_bins)
+                   & (P >= items) & (P <= cfg.small_max_per_bin * items))
         if small:
             self.small.launch_bins(x, a, b, topk_ids, lora, s, out, stream)
         else:
