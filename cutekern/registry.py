@@ -91,11 +91,10 @@ def _attn_res_variants(splits=(1,), online=False):
     # the hidden size tier bounds the on-chip row buffers; any H % 8 == 0 up to it runs.
     # row_split > 1: a row's H is split over the CTAs of a cluster (small M: latency).
     # online (sm90, row_split 1): the build with the online schedule only (short rows, few rows)
-    if not online:
-        return tuple(((("dtype", "bfloat16"),), (("max_hidden", h), ("row_split", r)))
-                     for h in (8192, 16384) for r in splits)
-    return tuple(((("dtype", "bfloat16"),), (("max_hidden", h), ("row_split", r), ("online", o)))
-                 for h in (8192, 16384) for r in splits for o in ((False, True) if r == 1 else (False,)))
+    def flags(h, r, o):
+        return (("max_hidden", h), ("row_split", r)) + ((("online", o),) if online else ())
+    return tuple(((("dtype", "bfloat16"),), flags(h, r, o)) for h in (8192, 16384) for r in splits
+                 for o in ((False, True) if online and r == 1 else (False,)))
 
 
 def _bgmv_shrink_variants():

@@ -225,25 +225,10 @@ class BgmvBinPlanSm90:
         slist = smem.allocate_tensor(cutlass.Int32, cute.make_layout((CAP,)), 16)
         swc = smem.allocate_tensor(cutlass.Int32, cute.make_layout((SU * BW + 1,)), 16)
 
-        # ---- dead pairs (skipped adapter / expert): their s rows (and, per pair, y rows:
-        # one warp per pair) are zero
-        for p in cutlass.range(bid * NT + tidx, P, nblk * NT):
-            t = p // K
-            j = p - t * K
-            lo = lora[t]
-            e = topk_ids[t, j]
-            if not ((lo >= 0) & (lo < L) & (e >= 0) & (e < E)):
-                for r in cutlass.range(R):
-                    s[p, r] = self.dtype(0.0)
+        # dead pairs (skipped adapter / expert): zero s rows (and y rows, per pair)
+        self.sh.zero_dead(s, topk_ids, lora, L, E, P, K, R, bid, nblk, tidx, NT)
         if cutlass.const_expr(not self.finalize):
-            for p in cutlass.range(bid * BW + warp, P, nblk * BW):
-                t = p // K
-                j = p - t * K
-                lo = lora[t]
-                e = topk_ids[t, j]
-                if not ((lo >= 0) & (lo < L) & (e >= 0) & (e < E)):
-                    for n in cutlass.range(lane, N, 32):
-                        out[p, n] = cutlass.Float32(0.0)
+            self.ex.zero_dead(out, topk_ids, lora, L, E, P, K, N, bid, nblk, warp, lane, BW)
 
         pre = cutlass.Boolean(False)
         if cutlass.const_expr(cfg.prefetch_min > 0):
@@ -267,18 +252,9 @@ class BgmvBinPlanSm90:
              tidx, warp, lane, pre, RT: cutlass.Constexpr, RW: cutlass.Constexpr):
         """Bin (l_b, e_b): one scan; per group the shrink's group, then the expand's."""
         cfg = self.cfg
-        sc = self.sh.cfg
         NT = 32 * cfg.bin_warps
-        H = x.shape[1]
-        HC = sc.bin_chunk_h * (_R_MAX // RT)
-        n_st = (H + HC - 1) // HC
         if pre:
-            slab = slab_ptr(a, l_b, e_b, _VEC)
-            for st in cutlass.range_constexpr(sc.bin_stages - 1):
-                if st < n_st:
-                    self.sh.bin_load_stage(x, a, slab, sA, sX, None, H // _VEC, st, st, tidx,
-                                           RT, 1)
-                cute.arch.cp_async_commit_group()
+            self.sh.prefetch_a(x, a, sA, sX, l_b, e_b, tidx, RT)
         run_bin(lambda off, n, f: self.group(x, a, b, s, out, sA, sX, sB, slist, off, n, l_b,
                                              e_b, N, K, tidx, warp, lane, f, RT, RW),
                 lora, topk_ids, l_b, e_b, P, K, slist, swc, tidx, warp, lane, pre, NT,
@@ -291,9 +267,8 @@ class BgmvBinPlanSm90:
         # visible to the expand's fragment loads below, and no warp reads an A slot again)
         if cutlass.const_expr(self.cfg.overlap):
             S = self.cfg.shrink_stages
-            H = x.shape[1]
-            n_st = (H + self.sh.cfg.bin_chunk_h * (_R_MAX // RT) - 1) \
-                // (self.sh.cfg.bin_chunk_h * (_R_MAX // RT))
+            HC = self.sh.stage_cols(RT)
+            n_st = (x.shape[1] + HC - 1) // HC
             CN = self.ex.cfg.bin_cols * (_R_MAX // RW)
             nch = (N + CN - 1) // CN
             nrv = b.shape[3] // _VEC

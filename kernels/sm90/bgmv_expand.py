@@ -413,16 +413,7 @@ class BgmvExpandSm90:
         swc = smem.allocate_tensor(cutlass.Int32, cute.make_layout((SU * NWP + 1,)), 16)
 
         if cutlass.const_expr(not self.finalize):
-            # dead pairs: their y rows are zero (one warp per pair)
-            gw = bid * NWP + warp
-            for p in cutlass.range(gw, P, nblk * NWP):
-                t = p // K
-                j = p - t * K
-                lo = lora[t]
-                ex = topk_ids[t, j]
-                if not ((lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)):
-                    for n in cutlass.range(lane, N, 32):
-                        out[p, n] = cutlass.Float32(0.0)
+            self.zero_dead(out, topk_ids, lora, L, E, P, K, N, bid, nblk, warp, lane, NWP)
 
         # with few empty bins, a bin's first B stages load while it scans (the loads of an
         # empty bin are wasted, hence the threshold)
@@ -444,6 +435,20 @@ class BgmvExpandSm90:
             else:
                 self.bin_item(s, b, out, sB, slist, swc, lora, topk_ids, l_b, e_b, N, P, K,
                               tidx, warp, lane, pre, 16)
+
+    @cute.jit
+    def zero_dead(self, y: cute.Tensor, topk_ids: cute.Tensor, lora: cute.Tensor, L, E, P, K,
+                  N, bid, nblk, warp, lane, NWP: cutlass.Constexpr):
+        """finalize=False, bin schedule: the y rows of dead pairs (skipped adapter / expert)
+        are zero (grid-stride, one warp per pair). The bin schedule never visits them."""
+        for p in cutlass.range(bid * NWP + warp, P, nblk * NWP):
+            t = p // K
+            j = p - t * K
+            lo = lora[t]
+            ex = topk_ids[t, j]
+            if not ((lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)):
+                for n in cutlass.range(lane, N, 32):
+                    y[p, n] = cutlass.Float32(0.0)
 
     @cute.jit
     def bin_item(self, s, b, out, sB, slist, swc, lora, topk_ids, l_b, e_b, N, P, K, tidx,

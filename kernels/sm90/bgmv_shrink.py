@@ -334,15 +334,7 @@ class BgmvShrinkSm90:
         slist = smem.allocate_tensor(cutlass.Int32, cute.make_layout((CAP,)), 16)
         swc = smem.allocate_tensor(cutlass.Int32, cute.make_layout((SU * BW + 1,)), 16)
 
-        # ---- dead pairs (skipped adapter / expert): their s rows are zero
-        for p in cutlass.range(bid * NT + tidx, P, nblk * NT):
-            t = p // K
-            j = p - t * K
-            lo = lora[t]
-            ex = topk_ids[t, j]
-            if not ((lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)):
-                for r in cutlass.range(R):
-                    s[p, r] = self.dtype(0.0)
+        self.zero_dead(s, topk_ids, lora, L, E, P, K, R, bid, nblk, tidx, NT)
 
         # with few empty bins, a bin's first weight stages load while it scans (the loads
         # of an empty bin are wasted, hence the threshold)
@@ -368,22 +360,47 @@ class BgmvShrinkSm90:
         group's A stages are issued before the scan (one commit group per stage, as the
         group's own prologue would)."""
         cfg = self.cfg
-        BW, G, S = cfg.bin_warps, 16 * cfg.bin_mtiles, cfg.bin_stages
+        BW, G = cfg.bin_warps, 16 * cfg.bin_mtiles
         SU = cfg.bin_scan_unroll
         NT = 32 * BW
-        HC = cfg.bin_chunk_h * (_R_MAX // RT)
-        H = x.shape[1]
-        n_st = (H + HC - 1) // HC
         if pre:
-            slab = slab_ptr(a, l_b, e_b, _VEC)
-            for st in cutlass.range_constexpr(S - 1):
-                if st < n_st:
-                    self.bin_load_stage(x, a, slab, sA, sX, None, H // _VEC, st, st, tidx, RT, 1)
-                cute.arch.cp_async_commit_group()
+            self.prefetch_a(x, a, sA, sX, l_b, e_b, tidx, RT)
         run_bin(lambda off, n, f: self.bin_group(x, a, s, sA, sX, slist, off, n, l_b, e_b, K,
                                                   tidx, warp, lane, f, RT),
                 lora, topk_ids, l_b, e_b, P, K, slist, swc, tidx, warp, lane, pre, NT, BW,
                 SU, G)
+
+    @cute.jit
+    def zero_dead(self, s: cute.Tensor, topk_ids: cute.Tensor, lora: cute.Tensor, L, E, P, K,
+                  R, bid, nblk, tidx, NT: cutlass.Constexpr):
+        """Dead pairs (skipped adapter / expert): their s rows are zero (grid-stride, a
+        thread per pair). The bin schedule never visits them."""
+        for p in cutlass.range(bid * NT + tidx, P, nblk * NT):
+            t = p // K
+            j = p - t * K
+            lo = lora[t]
+            ex = topk_ids[t, j]
+            if not ((lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)):
+                for r in cutlass.range(R):
+                    s[p, r] = self.dtype(0.0)
+
+    def stage_cols(self, RT: int) -> int:
+        """H columns per ring stage for ring rows RT (the same bytes per stage at every RT)."""
+        return self.cfg.bin_chunk_h * (_R_MAX // RT)
+
+    @cute.jit
+    def prefetch_a(self, x: cute.Tensor, a: cute.Tensor, sA: cute.Tensor, sX: cute.Tensor,
+                   l_b, e_b, tidx, RT: cutlass.Constexpr):
+        """The first bin_stages - 1 A stages of bin (l_b, e_b), one commit group each, issued
+        before its pair scan (the first group then loads the x rows only)."""
+        HC = self.stage_cols(RT)
+        H = x.shape[1]
+        n_st = (H + HC - 1) // HC
+        slab = slab_ptr(a, l_b, e_b, _VEC)
+        for st in cutlass.range_constexpr(self.cfg.bin_stages - 1):
+            if st < n_st:
+                self.bin_load_stage(x, a, slab, sA, sX, None, H // _VEC, st, st, tidx, RT, 1)
+            cute.arch.cp_async_commit_group()
 
     @staticmethod
     def _sw(rows: int, HC: int, slot, row, ch):
