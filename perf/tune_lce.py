@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CONFIGS = {
     "sm90": {
         "default": {},
-        "c22_n120": {"cluster_m": 2, "num_ctas": 120},
-        "e16_add8": {"epi_m": 16, "addend_stages": 8},
-        "k64_s4_add2_nopdl": {"tile_k": 64, "ab_stages": 4, "addend_stages": 2, "pdl": False},
+        "no_tail": {"m_tail": 0, "k_tail": False},
+        "m_tail_only": {"k_tail": False},
+        "k_tail_only": {"m_tail": 0},
     },
 }
 

@@ -118,6 +118,25 @@ def test_lce_sm90_phases_overlap_through_pdl(exported):
     assert seen == {True, False}
 
 
+def test_lce_sm90_tail_tiles(exported):
+    """The sm_90a LCE kernels hold one WGMMA shape per width the last M tile may run
+    (kernels/sm90/lce.py, m_tail), besides the full tile's: 433 rows cost 224 + 216."""
+    from kernels.sm90.lce import LceSm90Config, _m_tail_widths
+    cfg = LceSm90Config()
+    widths = (cfg.tile_m,) + _m_tail_widths(cfg)
+    assert 216 in widths and len(set(widths)) == len(widths) and min(widths) == cfg.epi_m
+    out, manifest = exported
+    n = 0
+    for e in manifest["kernels"]:
+        if (e["op"], e["design"], e["arch"]) != ("lce_gemm", "sm90", "sm_90a"):
+            continue
+        sass = (out / e["object"]).with_suffix(".sass").read_text()
+        got = {int(w) for w in re.findall(r"HGMMA\.64x(\d+)x16", sass)}
+        assert got == set(widths), f"{e['prefix']}: WGMMA widths {sorted(got)}"
+        n += 1
+    assert n == len(OPS["lce_gemm"].variants)
+
+
 def test_bgmv_sm90_expand_overlaps_shrink_through_pdl(exported):
     """The sm_90a shrink lets the next kernel launch early (PREEXIT); the expand variant a
     plan launches after it waits for it (ACQBULK) before it reads s, and the stand-alone

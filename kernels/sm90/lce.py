@@ -76,6 +76,12 @@ class LceSm90Config:
         launched so it may start early. Its CTAs that find a free SM begin their mainloops
         while the user phase runs; only the warp that reads the addend waits
         (griddepcontrol.wait) for the user phase to finish.
+    m_tail: the last tile along problem M runs a narrower WGMMA, the smallest of
+        `tile_m - 8 * j` (j = 1..m_tail) and the multiples of epi_m below tile_m that covers
+        what is left of M (M = 433: 224 + 216 instead of 2 x 224 rows); its epilogue skips the
+        subtiles wholly past M. 0: every tile runs tile_m wide.
+    k_tail: the last k-tile issues only the k16 blocks that hold data below K (K = 866 with
+        tile_k 32: 880 instead of 896 columns).
     debug_no_epilogue: diagnostics only (never exported by default): skip the epilogue,
         so the output is not written; times the loads and WGMMAs alone.
     debug_no_addend: diagnostics only: the epilogue neither loads nor adds the addend.
@@ -100,6 +106,8 @@ class LceSm90Config:
     cluster_m: int = 1
     num_ctas: int = 132
     pdl: bool = True
+    m_tail: int = 2
+    k_tail: bool = True
     debug_no_epilogue: bool = False
     debug_no_addend: bool = False
     debug_timeline: bool = False
@@ -142,6 +150,15 @@ def _fit_stages(cfg: LceSm90Config, ab_dtype, c_dtype, has_addend: bool) -> tupl
 
 def _fit_epi_stages(cfg: LceSm90Config, ab_dtype, c_dtype, has_addend: bool = False) -> int:
     return _fit_stages(cfg, ab_dtype, c_dtype, has_addend)[0]
+
+
+def _m_tail_widths(cfg: LceSm90Config) -> tuple:
+    """WGMMA widths (descending, all < tile_m) the last M tile may run instead of tile_m."""
+    if cfg.m_tail <= 0:
+        return ()
+    fine = {cfg.tile_m - 8 * j for j in range(1, cfg.m_tail + 1)}
+    coarse = {w for w in range(cfg.epi_m, cfg.tile_m, cfg.epi_m) if w < min(fine)}
+    return tuple(sorted((w for w in fine | coarse if w > 0), reverse=True))
 
 
 def _mma_regs(num_mma_wg: int) -> int:
@@ -375,6 +392,65 @@ class LceGemmSm90:
             if cute.elem_less(crd, extent_nm):
                 dst[v] = gD[crd]
 
+    @cute.jit
+    def _epi_count(self, M, tile_m_idx):
+        """Epilogue subtiles of M' tile tile_m_idx that hold rows below M."""
+        bn = self.cta_tile[1]
+        epi_m = self.epi_tile[1]
+        rem = M - tile_m_idx * bn
+        n = bn // epi_m
+        if rem < bn:
+            n = (rem + epi_m - 1) // epi_m
+        return n
+
+    @cute.jit
+    def _mainloop(self, tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state,
+                  k_tile_cnt, kb_last):
+        """WGMMA of one tile into acc; k-tile j's WGMMA overlaps the wait for k-tile j+1, and
+        the stage of k-tile j-1 is released once its WGMMA has retired. The last k-tile
+        issues its first kb_last k16 blocks only (the rest lie past K). Leaves the last
+        k-tile's WGMMA in flight and its stage held."""
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        read_state.reset_count()
+        release_state.reset_count()
+        # the tile's first WGMMA overwrites the accumulator (no zero fill)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        warpgroup.fence()
+        for k_tile in range(k_tile_cnt - 1):
+            ab_pipeline.consumer_wait(read_state)
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                kc = (None, None, kb, read_state.index)
+                cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)
+            if k_tile > 0:
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+            read_state.advance()
+        ab_pipeline.consumer_wait(read_state)
+        if cutlass.const_expr(not self.cfg.k_tail):
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                kc = (None, None, kb, read_state.index)
+                cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+        else:
+            # one whole WGMMA group (committed inside) per count of k16 blocks
+            for n in cutlass.range_constexpr(1, num_k_blocks + 1):
+                if kb_last == n:
+                    for kb in cutlass.range_constexpr(n):
+                        kc = (None, None, kb, read_state.index)
+                        cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+        warpgroup.wait_group(1)
+        if k_tile_cnt > 1:
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+        read_state.advance()
+        return read_state, release_state
+
     @cute.kernel
     def kernel(
         self,
@@ -490,6 +566,31 @@ class LceGemmSm90:
         acc = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
 
         k_tile_cnt = cute.size(gA, mode=[3])
+        # k16 blocks of the last k-tile that hold data below K
+        kb_last = (mA.shape[1] - (k_tile_cnt - 1) * bk + 15) // 16
+
+        # the last M' tile's narrower WGMMAs (cfg.m_tail): the same smem stages and
+        # accumulator registers, seen w rows (B) / columns (accumulator) wide. The
+        # accumulator fragment holds its columns in 8-wide chunks, outermost, so the w-wide
+        # fragment is a prefix of the bn-wide one; the columns past w keep stale values and
+        # lie wholly past M, where the TMA store clips them.
+        tail_w = _m_tail_widths(self.cfg)
+        tail_mma = []
+        tail_B = []
+        tail_acc = []
+        for w in tail_w:
+            mma_w = sm90_utils.make_trivial_tiled_mma(
+                self.ab_dtype, self.ab_dtype, OperandMajorMode.MN, OperandMajorMode.K,
+                self.acc_dtype, (self.num_mma_wg, 1, 1), tiler_mn=(64, w))
+            b_w = cute.composition(
+                b_smem_staged.outer,
+                cute.make_layout((w, bk, self.ab_stages), stride=(1, bn, bn * bk)))
+            sB_w = storage.sB.get_tensor(b_w, swizzle=b_smem_staged.inner)
+            thr_w = mma_w.get_slice(mma_thr_layout(wg_idx - 1))
+            tail_mma.append(mma_w)
+            tail_B.append(mma_w.make_fragment_B(thr_w.partition_B(sB_w)))
+            acc_shape_w = thr_w.partition_C(cute.local_tile(mC, (bm, w), (0, 0, 0))).shape
+            tail_acc.append(cute.make_tensor(acc.iterator, cute.make_layout(acc_shape_w)))
 
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
 
@@ -531,11 +632,13 @@ class LceGemmSm90:
         epi_grid = (bm // self.epi_tile[0], bn // self.epi_tile[1])
         epi_num = epi_grid[0] * epi_grid[1]
         epi_order = cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
+        M_rows = mC.shape[1]
 
         # ------------------------------------------------------- addend loader warp
-        # Loads every epilogue subtile of every tile (also those wholly past M or N: TMA
-        # zero-fills them and still signals the full byte count), in the order the
-        # consumers read them, so both sides advance the ring once per subtile.
+        # Loads every epilogue subtile the epilogue stores (those wholly past M are skipped
+        # by both; parts past M or N are zero-filled by TMA, which still signals the full
+        # byte count), in the order the consumers read them, so both sides advance the ring
+        # once per subtile.
         if cutlass.const_expr(self.addend_tma):
             if warp_idx == self.addend_load_warp_id:
                 # (bm, bn, RestN', RestM', U)
@@ -556,13 +659,16 @@ class LceGemmSm90:
                     bGS_sD, bGS_gD = cpasync.tma_partition(
                         tma_atom_d, 0, cute.make_layout(1),
                         cute.group_modes(sAdd, 0, 2), gD_epi)
+                    n_epi = self._epi_count(M_rows, tc[1])
                     for e in cutlass.range_constexpr(epi_num):
-                        add_pipeline.producer_acquire(add_prod_state)
-                        cute.copy(tma_atom_d, bGS_gD[(None, epi_order.get_hier_coord(e))],
-                                  bGS_sD[(None, add_prod_state.index)],
-                                  tma_bar_ptr=add_pipeline.producer_get_barrier(add_prod_state))
-                        add_pipeline.producer_commit(add_prod_state)
-                        add_prod_state.advance()
+                        if e < n_epi:
+                            add_pipeline.producer_acquire(add_prod_state)
+                            cute.copy(tma_atom_d, bGS_gD[(None, epi_order.get_hier_coord(e))],
+                                      bGS_sD[(None, add_prod_state.index)],
+                                      tma_bar_ptr=add_pipeline.producer_get_barrier(
+                                          add_prod_state))
+                            add_pipeline.producer_commit(add_prod_state)
+                            add_prod_state.advance()
                     sched.advance_to_next_work()
                     work = sched.get_current_work()
                 # every stage released: no TMA write into smem outlives this warp
@@ -579,7 +685,6 @@ class LceGemmSm90:
                 pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.ab_stages)
-            num_k_blocks = cute.size(tCrA, mode=[2])
 
             # registers -> smem copy shaped like the accumulator fragment
             copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
@@ -626,6 +731,7 @@ class LceGemmSm90:
                     cute.recast_ptr(mD.iterator + cutlass.Int64(mD.shape[2] - 1) *
                                     cutlass.Int64(mD.stride[2]), dtype=cutlass.Int32),
                     cute.make_layout(1 << 16))
+            epi_cnt = cutlass.Int32(0)  # epilogue subtiles stored so far (output buffers)
             while work.is_valid_tile:
                 tc = work.tile_idx
                 j = sched.num_tiles_executed  # tiles this CTA finished so far
@@ -642,28 +748,25 @@ class LceGemmSm90:
                 gD = mD[(None, None, 0)]
                 if cutlass.const_expr(use_ldg_addend):
                     gD = mD[(None, None, idx[tc[2]])]
-                # WGMMA of k-tile j overlaps the wait for k-tile j+1; the stage of k-tile
-                # j-1 is released once its WGMMA has retired.
-                read_state.reset_count()
-                release_state.reset_count()
-                # the tile's first WGMMA overwrites the accumulator (no zero fill)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                warpgroup.fence()
-                for k_tile in range(k_tile_cnt):
-                    ab_pipeline.consumer_wait(read_state)
-                    if cutlass.const_expr(dbg):
-                        if tl_on & (k_tile == 0):
-                            tl[tl_slot + 1] = cutlass.Int32(cute.arch.clock64() - t_base)
-                    for kb in cutlass.range_constexpr(num_k_blocks):
-                        kc = (None, None, kb, read_state.index)
-                        cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(1)
-                    if k_tile > 0:
-                        ab_pipeline.consumer_release(release_state)
-                        release_state.advance()
-                    read_state.advance()
+                if cutlass.const_expr(dbg):
+                    ab_pipeline.consumer_wait(read_state)  # waited again in the mainloop
+                    if tl_on:
+                        tl[tl_slot + 1] = cutlass.Int32(cute.arch.clock64() - t_base)
+                # problem-M rows from this tile on; the last M' tile may run narrower
+                rem_m = mC.shape[1] - tc[1] * bn
+                sel = 0
+                for i in cutlass.range_constexpr(len(tail_w)):
+                    if rem_m <= tail_w[i]:
+                        sel = i + 1
+                if sel == 0:
+                    read_state, release_state = self._mainloop(
+                        tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state,
+                        k_tile_cnt, kb_last)
+                for i in cutlass.range_constexpr(len(tail_w)):
+                    if sel == i + 1:
+                        read_state, release_state = self._mainloop(
+                            tail_mma[i], tail_acc[i], tCrA, tail_B[i], ab_pipeline,
+                            read_state, release_state, k_tile_cnt, kb_last)
                 if cutlass.const_expr(use_ldg_addend):
                     # first addend subtile loads overlap the last WGMMA
                     self._load_addend(thr_copy_r2s, cC_t, gD, extent_nm,
@@ -686,54 +789,56 @@ class LceGemmSm90:
                     bSG_sC, bSG_gC = cpasync.tma_partition(
                         tma_atom_c, 0, cute.make_layout(1),
                         cute.group_modes(sC, 0, 2), gC_epi)
-                    prev = j * epi_num
+                    n_epi = self._epi_count(M_rows, tc[1])
                     for e in cutlass.range_constexpr(epi_num):
-                        for v in cutlass.range_constexpr(size_rD):
-                            tRS_rD[v] = tRS_rAcc[e * size_rD + v]
-                        ecrd = epi_order.get_hier_coord(e)
-                        if cutlass.const_expr(self.addend_tma):
-                            # stage add_cons_state holds subtile e of this tile; it is released
-                            # by the store warp after the epilogue barrier below
-                            add_pipeline.consumer_wait(add_cons_state)
-                            if cutlass.const_expr(dbg and e == 0):
-                                if tl_on:
-                                    tl[tl_slot + 3] = cutlass.Int32(
-                                        cute.arch.clock64() - t_base)
-                            sAdd_e = tRS_sAdd[(None, None, None, add_cons_state.index)]
+                        if e < n_epi:  # subtiles wholly past M are skipped
                             for v in cutlass.range_constexpr(size_rD):
-                                tRS_rD[v] = tRS_rD[v] + sAdd_e[v]
-                        if cutlass.const_expr(use_ldg_addend):
-                            # loads for the next subtile fly while this one is stored
-                            if cutlass.const_expr(e + 1 < epi_num):
-                                self._load_addend(thr_copy_r2s, cC_t, gD, extent_nm,
-                                                  epi_order.get_hier_coord(e + 1),
-                                                  rAdd[(e + 1) % 2])
-                            for v in cutlass.range_constexpr(size_rD):
-                                tRS_rD[v] = tRS_rD[v] + rAdd[e % 2][v]
-                        tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
-                        buf = (prev + e) % self.epi_stages
-                        # buffer buf was last read by the store issued epi_stages subtiles ago;
-                        # the store warp waited for it before the previous barrier (below)
-                        cute.copy(tiled_copy_r2s, tRS_rOut, tRS_sC[(None, None, None, buf)])
-                        # make the generic-proxy smem accesses (output writes, and the addend
-                        # reads before the loader's next TMA write) ordered with the async proxy
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        if warp_idx == self.epi_store_warp_id:
-                            # one barrier per subtile: the buffer written after this barrier,
-                            # (prev + e + 1) % epi_stages, was last read by the store issued
-                            # epi_stages - 1 subtiles ago; leave at most epi_stages - 2 stores
-                            # reading smem. Waiting here, not right after the commit, gives the
-                            # last store this warp's convert/stmatrix time to drain.
-                            cute.arch.cp_async_bulk_wait_group(self.epi_stages - 2, read=True)
-                        epi_bar.arrive_and_wait()
-                        if warp_idx == self.epi_store_warp_id:
+                                tRS_rD[v] = tRS_rAcc[e * size_rD + v]
+                            ecrd = epi_order.get_hier_coord(e)
                             if cutlass.const_expr(self.addend_tma):
-                                # every consumer thread has read the addend stage (barrier above)
-                                add_pipeline.consumer_release(add_cons_state)
-                            cute.copy(tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, ecrd)])
-                            cute.arch.cp_async_bulk_commit_group()
-                        if cutlass.const_expr(self.addend_tma):
-                            add_cons_state.advance()
+                                # stage add_cons_state holds subtile e of this tile; it is released
+                                # by the store warp after the epilogue barrier below
+                                add_pipeline.consumer_wait(add_cons_state)
+                                if cutlass.const_expr(dbg and e == 0):
+                                    if tl_on:
+                                        tl[tl_slot + 3] = cutlass.Int32(
+                                            cute.arch.clock64() - t_base)
+                                sAdd_e = tRS_sAdd[(None, None, None, add_cons_state.index)]
+                                for v in cutlass.range_constexpr(size_rD):
+                                    tRS_rD[v] = tRS_rD[v] + sAdd_e[v]
+                            if cutlass.const_expr(use_ldg_addend):
+                                # loads for the next subtile fly while this one is stored
+                                if cutlass.const_expr(e + 1 < epi_num):
+                                    self._load_addend(thr_copy_r2s, cC_t, gD, extent_nm,
+                                                      epi_order.get_hier_coord(e + 1),
+                                                      rAdd[(e + 1) % 2])
+                                for v in cutlass.range_constexpr(size_rD):
+                                    tRS_rD[v] = tRS_rD[v] + rAdd[e % 2][v]
+                            tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
+                            buf = (epi_cnt + e) % self.epi_stages
+                            # buffer buf was last read by the store issued epi_stages subtiles ago;
+                            # the store warp waited for it before the previous barrier (below)
+                            cute.copy(tiled_copy_r2s, tRS_rOut, tRS_sC[(None, None, None, buf)])
+                            # make the generic-proxy smem accesses (output writes, and the addend
+                            # reads before the loader's next TMA write) ordered with the async proxy
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            if warp_idx == self.epi_store_warp_id:
+                                # one barrier per subtile: the buffer written after this barrier,
+                                # (epi_cnt + e + 1) % epi_stages, was last read by the store issued
+                                # epi_stages - 1 subtiles ago; leave at most epi_stages - 2 stores
+                                # reading smem. Waiting here, not right after the commit, gives the
+                                # last store this warp's convert/stmatrix time to drain.
+                                cute.arch.cp_async_bulk_wait_group(self.epi_stages - 2, read=True)
+                            epi_bar.arrive_and_wait()
+                            if warp_idx == self.epi_store_warp_id:
+                                if cutlass.const_expr(self.addend_tma):
+                                    # every consumer thread has read the stage (barrier above)
+                                    add_pipeline.consumer_release(add_cons_state)
+                                cute.copy(tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, ecrd)])
+                                cute.arch.cp_async_bulk_commit_group()
+                            if cutlass.const_expr(self.addend_tma):
+                                add_cons_state.advance()
+                    epi_cnt = epi_cnt + n_epi
                     if cutlass.const_expr(dbg):
                         if tl_on:
                             tl[tl_slot + 4] = cutlass.Int32(cute.arch.clock64() - t_base)

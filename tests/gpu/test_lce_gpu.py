@@ -88,6 +88,20 @@ def test_edge_shapes(design, dtype, counts, m, n, kc, ku):
     check(run_poisoned(args, dtype), args, dtype)
 
 
+# M = 224 + r walks the sm90 kernel's last-M-tile widths (224 wide tiles; the last one runs
+# 32 / 64 / ... / 192 / 208 / 216 / 224 wide), K_cand / K_user the last k-tile's k16
+# blocks (K % 32 in {1..16}: one block, {17..31, 0}: two), also for K below one k-tile
+@pytest.mark.parametrize("m,kc,ku", [
+    (225, 866, 1178), (257, 16, 17), (289, 33, 32), (321, 48, 5), (353, 20, 64),
+    (385, 97, 112), (417, 113, 31), (433, 866, 1), (441, 8, 49), (448, 31, 15),
+    (449, 65, 160), (97, 866, 866),
+])
+def test_tail_tiles(design, m, kc, ku):
+    counts = [3, 0, 2, 1]
+    args = make_problem(counts, m, 136, kc, ku, torch.bfloat16, seed=m + kc)
+    check(run_poisoned(args, torch.bfloat16), args, torch.bfloat16)
+
+
 def test_one_shot_api_and_new_output(design):
     args = make_problem([2, 3], 33, 64, 40, 24, torch.float16, seed=7)
     out = linear_compression(*args)
