@@ -82,6 +82,9 @@ class LceSm90Config:
         subtiles wholly past M. 0: every tile runs tile_m wide.
     k_tail: the last k-tile issues only the k16 blocks that hold data below K (K = 866 with
         tile_k 32: 880 instead of 896 columns).
+    rotate: rotate each wave's cluster -> tile map of the persistent walk by one, so every
+        cluster runs each M tile in turn (with the default walk a cluster keeps one M tile
+        when the grid is a multiple of the M tile count, and the narrower last one idles).
     debug_no_epilogue: diagnostics only (never exported by default): skip the epilogue,
         so the output is not written; times the loads and WGMMAs alone.
     debug_no_addend: diagnostics only: the epilogue neither loads nor adds the addend.
@@ -108,6 +111,7 @@ class LceSm90Config:
     pdl: bool = True
     m_tail: int = 2
     k_tail: bool = True
+    rotate: bool = True
     debug_no_epilogue: bool = False
     debug_no_addend: bool = False
     debug_timeline: bool = False
@@ -393,6 +397,21 @@ class LceGemmSm90:
                 dst[v] = gD[crd]
 
     @cute.jit
+    def _work(self, sched):
+        """The scheduler's next tile, with each wave's cluster -> tile map rotated by one per
+        wave (cfg.rotate): the library's walk gives cluster k the tiles k + G*w of the G
+        persistent clusters, so with G a multiple of the number of M tiles a cluster gets
+        the same M tile in every wave, and those holding the narrower last M tile idle at
+        the end. Rotating keeps each wave's tiles (and their L2 sharing) but cycles every
+        cluster through the M tiles."""
+        if cutlass.const_expr(not self.cfg.rotate):
+            return sched.get_current_work()
+        G = sched.num_persistent_clusters
+        w = sched.num_tiles_executed
+        k = sched._current_work_linear_idx - w * G
+        return sched._get_current_work_for_linear_idx(w * G + (k + w) % G)
+
+    @cute.jit
     def _epi_count(self, M, tile_m_idx):
         """Epilogue subtiles of M' tile tile_m_idx that hold rows below M."""
         bn = self.cta_tile[1]
@@ -601,7 +620,7 @@ class LceGemmSm90:
         if warp_idx == self.load_warp_id:
             sched = utils.StaticPersistentTileScheduler.create(
                 sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
-            work = sched.initial_work_tile_info()
+            work = self._work(sched)
             prod_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Producer, self.ab_stages)
             while work.is_valid_tile:
@@ -622,7 +641,7 @@ class LceGemmSm90:
                     ab_pipeline.producer_commit(prod_state)
                     prod_state.advance()
                 sched.advance_to_next_work()
-                work = sched.get_current_work()
+                work = self._work(sched)
             # keep the CTA alive until consumers released every stage (multicast peers
             # may still be writing into our smem otherwise)
             ab_pipeline.producer_tail(prod_state)
@@ -648,7 +667,7 @@ class LceGemmSm90:
                     cute.arch.griddepcontrol_wait()
                 sched = utils.StaticPersistentTileScheduler.create(
                     sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
-                work = sched.initial_work_tile_info()
+                work = self._work(sched)
                 add_prod_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.addend_stages)
                 while work.is_valid_tile:
@@ -670,7 +689,7 @@ class LceGemmSm90:
                             add_pipeline.producer_commit(add_prod_state)
                             add_prod_state.advance()
                     sched.advance_to_next_work()
-                    work = sched.get_current_work()
+                    work = self._work(sched)
                 # every stage released: no TMA write into smem outlives this warp
                 add_pipeline.producer_tail(add_prod_state)
 
@@ -680,7 +699,7 @@ class LceGemmSm90:
             mma_tidx = tidx - self.num_threads_per_wg
             sched = utils.StaticPersistentTileScheduler.create(
                 sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
-            work = sched.initial_work_tile_info()
+            work = self._work(sched)
             read_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(
@@ -844,7 +863,7 @@ class LceGemmSm90:
                             tl[tl_slot + 4] = cutlass.Int32(cute.arch.clock64() - t_base)
 
                 sched.advance_to_next_work()
-                work = sched.get_current_work()
+                work = self._work(sched)
 
             if warp_idx == self.epi_store_warp_id:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
