@@ -18,7 +18,6 @@ CONFIGS = {
         "default": {},
         "no_rotate": {"rotate": False},
         "no_tail": {"m_tail": 0, "k_tail": False},
-        "k_tail_only": {"m_tail": 0},
         "none": {"rotate": False, "m_tail": 0, "k_tail": False},
     },
 }

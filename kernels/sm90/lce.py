@@ -76,10 +76,12 @@ class LceSm90Config:
         launched so it may start early. Its CTAs that find a free SM begin their mainloops
         while the user phase runs; only the warp that reads the addend waits
         (griddepcontrol.wait) for the user phase to finish.
-    m_tail: the last tile along problem M runs a narrower WGMMA, the smallest of
-        `tile_m - 8 * j` (j = 1..m_tail) and the multiples of epi_m below tile_m that covers
-        what is left of M (M = 433: 224 + 216 instead of 2 x 224 rows); its epilogue skips the
-        subtiles wholly past M. 0: every tile runs tile_m wide.
+    m_tail: the last tile along problem M runs a narrower WGMMA, the smallest
+        `tile_m - 8 * j` (j = 1..m_tail) that covers what is left of M (M = 433: 224 + 216
+        instead of 2 x 224 rows). Only widths near tile_m: a much narrower tile is bound by its
+        loads' latency, not by the WGMMA (H200: M = 449, a 32-wide third tile, timed the same
+        at 32 as at 224). 0: every tile runs tile_m wide. The epilogue (and the addend loader)
+        skip subtiles wholly past M in any case.
     k_tail: the last k-tile issues only the k16 blocks that hold data below K (K = 866 with
         tile_k 32: 880 instead of 896 columns).
     rotate: rotate each wave's cluster -> tile map of the persistent walk by one, so every
@@ -158,11 +160,7 @@ def _fit_epi_stages(cfg: LceSm90Config, ab_dtype, c_dtype, has_addend: bool = Fa
 
 def _m_tail_widths(cfg: LceSm90Config) -> tuple:
     """WGMMA widths (descending, all < tile_m) the last M tile may run instead of tile_m."""
-    if cfg.m_tail <= 0:
-        return ()
-    fine = {cfg.tile_m - 8 * j for j in range(1, cfg.m_tail + 1)}
-    coarse = {w for w in range(cfg.epi_m, cfg.tile_m, cfg.epi_m) if w < min(fine)}
-    return tuple(sorted((w for w in fine | coarse if w > 0), reverse=True))
+    return tuple(w for w in (cfg.tile_m - 8 * j for j in range(1, cfg.m_tail + 1)) if w > 0)
 
 
 def _mma_regs(num_mma_wg: int) -> int:

@@ -89,15 +89,16 @@ def test_edge_shapes(design, dtype, counts, m, n, kc, ku):
 
 
 # M = 224 + r walks the sm90 kernel's last-M-tile widths (224 wide tiles; the last one runs
-# 32 / 64 / ... / 192 / 208 / 216 / 224 wide), K_cand / K_user the last k-tile's k16
-# blocks (K % 32 in {1..16}: one block, {17..31, 0}: two), also for K below one k-tile
+# 208 / 216 / 224 wide, and its epilogue skips subtiles past M), K_cand / K_user the last
+# k-tile's k16 blocks (K % 32 in {1..16}: one block, {17..31, 0}: two), also for K below
+# one k-tile, with several tiles per CTA (the rotated walk)
 @pytest.mark.parametrize("m,kc,ku", [
-    (225, 866, 1178), (257, 16, 17), (289, 33, 32), (321, 48, 5), (353, 20, 64),
+    (225, 866, 1178), (257, 16, 17), (432, 33, 32), (440, 48, 5), (441, 20, 64),
     (385, 97, 112), (417, 113, 31), (433, 866, 1), (441, 8, 49), (448, 31, 15),
     (449, 65, 160), (97, 866, 866),
 ])
 def test_tail_tiles(design, m, kc, ku):
-    counts = [3, 0, 2, 1]
+    counts = [40, 0, 30, 31]  # >= 202 tiles: more than one wave of the persistent grid
     args = make_problem(counts, m, 136, kc, ku, torch.bfloat16, seed=m + kc)
     check(run_poisoned(args, torch.bfloat16), args, torch.bfloat16)
 
