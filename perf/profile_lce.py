@@ -1,5 +1,6 @@
 """One launch of each LCE phase at the reference shape, for `ncu` (no timing here).
-Usage: ncu --clock-control none -k regex:kernel python3 perf/profile_lce.py EXPORT_DIR DESIGN"""
+Usage: ncu --clock-control none -k regex:kernel python3 perf/profile_lce.py EXPORT_DIR DESIGN [cublas]
+(cublas: also the padded candidate matmul alone through torch, cuBLAS's kernel for the same GEMM)"""
 import sys
 from pathlib import Path
 
@@ -25,3 +26,9 @@ for _ in range(2):
     f_user(wu, eu, part, part, c2u)
     f_cand(wc, ec, out, part, c2u)
 torch.cuda.synchronize()
+if "cublas" in sys.argv[3:]:
+    from cutekern.reference import pad_k_rows
+    ecp = pad_k_rows(ec)
+    for _ in range(2):
+        torch.matmul(wc, ecp)
+    torch.cuda.synchronize()

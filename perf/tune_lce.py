@@ -17,7 +17,6 @@ CONFIGS = {
     "sm90": {
         "default": {},
         "no_rotate": {"rotate": False},
-        "no_tail": {"m_tail": 0, "k_tail": False},
         "none": {"rotate": False, "m_tail": 0, "k_tail": False},
     },
 }

@@ -401,13 +401,17 @@ class LceGemmSm90:
         persistent clusters, so with G a multiple of the number of M tiles a cluster gets
         the same M tile in every wave, and those holding the narrower last M tile idle at
         the end. Rotating keeps each wave's tiles (and their L2 sharing) but cycles every
-        cluster through the M tiles."""
+        cluster through the M tiles. The shift is 0 in the last wave W, so its partial set of
+        tiles goes to the lowest clusters as in the library's walk: those start first (the
+        others wait for the SMs the user phase holds; a shift of w there cost ~3% at M=433)."""
         if cutlass.const_expr(not self.cfg.rotate):
             return sched.get_current_work()
         G = sched.num_persistent_clusters
         w = sched.num_tiles_executed
         k = sched._current_work_linear_idx - w * G
-        return sched._get_current_work_for_linear_idx(w * G + (k + w) % G)
+        W = (cute.size(sched.params.problem_layout_ncluster_mnl) - 1) // G
+        # w > W: past the last wave, any index >= W * G + G is invalid
+        return sched._get_current_work_for_linear_idx(w * G + (k + W - w + G) % G)
 
     @cute.jit
     def _epi_count(self, M, tile_m_idx):
