@@ -189,11 +189,36 @@ def _check_indices(cand_to_user, num_users, kv_len=None, s_max=0, op="linear_com
         raise err("kv_len", f"has values outside [0, S_max={s_max}]")
 
 
+@functools.lru_cache(maxsize=None)
+def _has_wide(design: str) -> bool:
+    from .registry import OPS
+    return any("wide" in dict(f) for _, f in OPS["lce_gemm"].variants_for(design))
+
+
+def pick_lce_function(lookup, has_addend: bool, m: int, has_wide: bool):
+    """The LCE phase kernel for M rows: ``lookup(flags)`` returns the kernel function of one
+    flag set. A design with a `wide` build (sm90) runs it when its M tile covers M in fewer
+    tiles than the default build's (M = 449: 2 x 256 rather than 3 x 224 rows)."""
+    flags = {"has_addend": has_addend}
+    if not has_wide:
+        return lookup(flags)
+    fns = [lookup({**flags, "wide": w}) for w in (False, True)]
+    tiles = [-(-m // int(f.meta["config"]["tile_m"])) for f in fns]
+    return fns[1] if tiles[1] < tiles[0] else fns[0]
+
+
+def _lce_function(ab, c, has_addend, m, device):
+    from .arch import target_arch, target_design
+    from .dispatch import get_function
+    return pick_lce_function(
+        lambda fl: get_function("lce_gemm", {"ab": ab, "c": c}, fl, device), has_addend, m,
+        _has_wide(target_design(target_arch(device))))
+
+
 def _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out) -> list:
     """The call as (function, args) steps, each callable / bindable like a kernel function:
     the user phase into fp32 partials, then the candidate phase (or, for an empty K_cand,
     a torch gather of the partials)."""
-    from .dispatch import get_function
     b, kc, n = e_cand.shape
     u, ku, _ = e_user.shape
     if b == 0 or n == 0 or w_cand_p.shape[0] == 0:
@@ -205,13 +230,13 @@ def _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out) -> list:
         partial = torch.zeros(u, w_user_p.shape[0], n, dtype=torch.float32, device=dev)
     else:
         partial = torch.empty(u, w_user_p.shape[0], n, dtype=torch.float32, device=dev)
-        user = get_function("lce_gemm", {"ab": ab, "c": "float32"}, {"has_addend": False}, dev)
+        user = _lce_function(ab, "float32", False, w_user_p.shape[0], dev)
         # d/idx are unused by this variant; pass valid tensors of the right kind
         steps.append((user, (w_user_p, e_user, partial, partial, cand_to_user)))
     if kc == 0:  # degenerate: no candidate features
         steps.append((_GatherPartials(), (partial, cand_to_user, out)))
         return steps
-    cand = get_function("lce_gemm", {"ab": ab, "c": ab}, {"has_addend": True}, dev)
+    cand = _lce_function(ab, ab, True, w_cand_p.shape[0], dev)
     steps.append((cand, (w_cand_p, e_cand, out, partial, cand_to_user)))
     return steps
 

@@ -73,12 +73,15 @@ def _impls(module: str, kernel_stem: str, config_stem: str) -> dict:
             for d, sfx in _DESIGN_SUFFIX.items()}
 
 
-def _lce_variants():
+def _lce_variants(wide=(None,)):
+    # wide (sm90): the build with the wider M tile, for M it covers in fewer tiles
     out = []
     for ab in ("float16", "bfloat16"):
-        # user phase: fp32 partials, no addend; candidate phase: output dtype, + gathered addend
-        out.append(((("ab", ab), ("c", "float32")), (("has_addend", False),)))
-        out.append(((("ab", ab), ("c", ab)), (("has_addend", True),)))
+        for w in wide:
+            x = () if w is None else (("wide", w),)
+            # user phase: fp32 partials, no addend; candidate phase: output dtype + gathered addend
+            out.append(((("ab", ab), ("c", "float32")), (("has_addend", False),) + x))
+            out.append(((("ab", ab), ("c", ab)), (("has_addend", True),) + x))
     return tuple(out)
 
 
@@ -117,7 +120,9 @@ OPS: dict = {
         abi=_abi.lce_gemm_abi,
         designs=_impls("lce", "LceGemm", "Lce"),
         variants=_lce_variants(),
-        make=lambda k, dt, fl, cfg: k(dt["ab"], dt["c"], fl["has_addend"], cfg),
+        design_variants=(("sm90", _lce_variants((False, True))),),
+        make=lambda k, dt, fl, cfg: k(dt["ab"], dt["c"], fl["has_addend"], cfg,
+                                      **({"wide": fl["wide"]} if "wide" in fl else {})),
         doc="IKBO linear compression: batched GEMM with stride-0 weight and gathered addend",
     ),
     "ikbo_attn": OpSpec(

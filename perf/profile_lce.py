@@ -8,7 +8,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import lce_problem  # noqa: E402
+from common import lce_phase_functions, lce_problem  # noqa: E402
 from cutekern.reference import pad_k  # noqa: E402
 from cutekern.runtime import Manifest  # noqa: E402
 
@@ -18,8 +18,7 @@ wc, wu, ec, eu, c2u = lce_problem(1024, 70, dt)
 wc, wu = pad_k(wc), pad_k(wu)
 u, (B, _, N), M = eu.shape[0], ec.shape, wc.shape[0]
 man = Manifest(root)
-f_user = man.function("lce_gemm", design, "sm_90a", {"ab": "float16", "c": "float32"}, {"has_addend": False})
-f_cand = man.function("lce_gemm", design, "sm_90a", {"ab": "float16", "c": "float16"}, {"has_addend": True})
+f_user, f_cand = lce_phase_functions(man, design, M)
 part = torch.empty(u, M, N, device="cuda")
 out = torch.empty(B, M, N, dtype=dt, device="cuda")
 for _ in range(2):

@@ -17,7 +17,6 @@ CONFIGS = {
     "sm90": {
         "default": {},
         "no_rotate": {"rotate": False},
-        "none": {"rotate": False, "m_tail": 0, "k_tail": False},
     },
 }
 
@@ -32,9 +31,9 @@ def make(root: Path):
 
 
 def run(root: Path, out_dir: Path, rounds: int = 3, warmup_s: float = 10.0, reps: int = 10,
-        m=None, kc=None):
+        m=None, kc=None, wide=True):
     import torch
-    from common import LCE_REF, lce_problem, time_graph_ms, time_ms
+    from common import LCE_REF, lce_phase_functions, lce_problem, time_graph_ms, time_ms
     from cutekern.runtime import Manifest
     from cutekern.reference import pad_k, lce_reference
 
@@ -61,10 +60,8 @@ def run(root: Path, out_dir: Path, rounds: int = 3, warmup_s: float = 10.0, reps
     for d in sorted(p for p in root.iterdir() if (p / "manifest.json").exists()):
         design = d.name.split("-")[0]
         man = Manifest(d)
-        fn = lambda dt_c, add: man.function(  # noqa: E731
-            "lce_gemm", design, "sm_90a", {"ab": "float16", "c": dt_c}, {"has_addend": add})
-        cfgs.append((d.name, man.data["kernels"][0]["config"], fn("float32", False),
-                     fn("float16", True)))
+        f_user, f_cand = lce_phase_functions(man, design, M, wide=wide)
+        cfgs.append((d.name, f_cand.meta["config"], f_user, f_cand))
     part = torch.empty(u, M, N, device="cuda")
     out = torch.empty(B, M, N, dtype=dt, device="cuda")
     times = {name: {"total": [], "graph_total": [], "user": [], "cand": []} for name, *_ in cfgs}
@@ -119,8 +116,9 @@ if __name__ == "__main__":
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--m", type=int, help="problem M instead of the reference shape's 433")
     ap.add_argument("--kc", type=int, help="K_cand instead of the reference shape's 866")
+    ap.add_argument("--no-wide", action="store_true", help="never the sm90 wide build")
     a = ap.parse_args()
     if a.make:
         make(a.make)
     else:
-        run(a.root, a.out, a.rounds, a.warmup, a.reps, a.m, a.kc)
+        run(a.root, a.out, a.rounds, a.warmup, a.reps, a.m, a.kc, not a.no_wide)

@@ -61,3 +61,23 @@ def test_runtime_side_imports_without_the_dsl():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_lce_wide_build_choice():
+    """The API runs the sm90 wide build (256-row M tiles) only when it covers M in fewer tiles
+    than the default build (224), and a design without one gets no `wide` flag at all."""
+    from types import SimpleNamespace
+    from cutekern.ikbo import pick_lce_function
+
+    def lookup(fl):
+        tile_m = 256 if fl.get("wide") else 224
+        return SimpleNamespace(meta={"config": {"tile_m": tile_m}}, flags=fl)
+
+    def pick(m, has_wide=True):
+        return pick_lce_function(lookup, True, m, has_wide).flags
+
+    assert pick(433) == {"has_addend": True, "wide": False}      # 2 tiles either way
+    assert pick(449) == {"has_addend": True, "wide": True}       # 2 x 256 < 3 x 224
+    assert pick(256)["wide"] and pick(700)["wide"] and pick(1000)["wide"]
+    assert not pick(224)["wide"] and not pick(300)["wide"] and not pick(1)["wide"]
+    assert pick(449, has_wide=False) == {"has_addend": True}

@@ -63,7 +63,7 @@ def test_manifest_lists_every_variant_for_every_arch(exported):
     # every arch carries every LCE variant
     for arch in ARCHES:
         n = sum(e["arch"] == arch and e["op"] == "lce_gemm" for e in on_disk["kernels"])
-        assert n == len(DESIGNS_FOR_ARCH[arch]) * len(OPS["lce_gemm"].variants)
+        assert n == sum(len(OPS["lce_gemm"].variants_for(d)) for d in DESIGNS_FOR_ARCH[arch])
     for e in on_disk["kernels"]:
         assert (out / e["object"]).stat().st_size > 0 and (out / e["header"]).exists()
         assert e["prefix"] in (out / e["header"]).read_text()
@@ -120,21 +120,23 @@ def test_lce_sm90_phases_overlap_through_pdl(exported):
 
 def test_lce_sm90_tail_tiles(exported):
     """The sm_90a LCE kernels hold one WGMMA shape per width the last M tile may run
-    (kernels/sm90/lce.py, m_tail) besides the full tile's: 433 rows cost 224 + 216."""
+    (kernels/sm90/lce.py, m_tail) besides the full tile's: 433 rows cost 224 + 216; the wide
+    build (flag `wide`) runs 256-wide tiles."""
     from kernels.sm90.lce import LceSm90Config, _m_tail_widths
-    cfg = LceSm90Config()
-    widths = (cfg.tile_m,) + _m_tail_widths(cfg)
-    assert widths == (224, 216, 208)
+    from dataclasses import replace
     out, manifest = exported
-    n = 0
+    seen = set()
     for e in manifest["kernels"]:
         if (e["op"], e["design"], e["arch"]) != ("lce_gemm", "sm90", "sm_90a"):
             continue
+        cfg = replace(LceSm90Config(), tile_m=e["config"]["tile_m"])
+        widths = {cfg.tile_m, *_m_tail_widths(cfg)}
+        assert widths == ({256, 248, 240} if e["flags"]["wide"] else {224, 216, 208})
         sass = (out / e["object"]).with_suffix(".sass").read_text()
         got = {int(w) for w in re.findall(r"HGMMA\.64x(\d+)x16", sass)}
-        assert got == set(widths), f"{e['prefix']}: WGMMA widths {sorted(got)}"
-        n += 1
-    assert n == len(OPS["lce_gemm"].variants)
+        assert got == widths, f"{e['prefix']}: WGMMA widths {sorted(got)}"
+        seen.add((e["flags"]["wide"], e["flags"]["has_addend"], e["dtypes"]["ab"]))
+    assert len(seen) == len(OPS["lce_gemm"].variants_for("sm90")) == 8
 
 
 def test_bgmv_sm90_expand_overlaps_shrink_through_pdl(exported):

@@ -29,6 +29,7 @@ programmatic dependent launch (`pdl`).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -76,6 +77,9 @@ class LceSm90Config:
         launched so it may start early. Its CTAs that find a free SM begin their mainloops
         while the user phase runs; only the warp that reads the addend waits
         (griddepcontrol.wait) for the user phase to finish.
+    wide_tile_m: tile_m of the op's `wide` build, which the dispatch picks when it covers M in
+        fewer tiles (M = 449: 2 x 256 instead of 224 + 224 + a 1-row tile that still loads
+        a whole tile's operands).
     m_tail: the last tile along problem M runs a narrower WGMMA, the smallest
         `tile_m - 8 * j` (j = 1..m_tail) that covers what is left of M (M = 433: 224 + 216
         instead of 2 x 224 rows). Only widths near tile_m: a much narrower tile is bound by its
@@ -84,9 +88,11 @@ class LceSm90Config:
         skip subtiles wholly past M in any case.
     k_tail: the last k-tile issues only the k16 blocks that hold data below K (K = 866 with
         tile_k 32: 880 instead of 896 columns).
-    rotate: rotate each wave's cluster -> tile map of the persistent walk by one, so every
-        cluster runs each M tile in turn (with the default walk a cluster keeps one M tile
-        when the grid is a multiple of the M tile count, and the narrower last one idles).
+    rotate: when the last M tile is less than half as wide as the others, rotate each
+        wave's cluster -> tile map of the persistent walk by one, so every cluster runs each M
+        tile in turn (with the library's walk a cluster keeps one M tile when the grid is a
+        multiple of the M tile count, and those with the narrow last one idle: M = 449, three
+        M tiles, 0.73 -> 0.66 ms on the H200).
     debug_no_epilogue: diagnostics only (never exported by default): skip the epilogue,
         so the output is not written; times the loads and WGMMAs alone.
     debug_no_addend: diagnostics only: the epilogue neither loads nor adds the addend.
@@ -114,6 +120,7 @@ class LceSm90Config:
     m_tail: int = 2
     k_tail: bool = True
     rotate: bool = True
+    wide_tile_m: int = 256
     debug_no_epilogue: bool = False
     debug_no_addend: bool = False
     debug_timeline: bool = False
@@ -172,7 +179,10 @@ class LceGemmSm90:
     num_threads_per_wg = 128
 
     def __init__(self, ab_dtype, c_dtype, has_addend: bool,
-                 config: LceSm90Config = LceSm90Config()):
+                 config: LceSm90Config = LceSm90Config(), wide: bool = False):
+        # wide: the build for M that wide_tile_m covers in fewer tiles (see LceSm90Config)
+        if wide:
+            config = dataclasses.replace(config, tile_m=config.wide_tile_m)
         if not LceGemmSm90.can_implement(ab_dtype, c_dtype, has_addend, config):
             raise ValueError(f"LceGemmSm90 cannot run {ab_dtype}/{c_dtype} with {config}")
         self.ab_dtype = ab_dtype
@@ -395,7 +405,7 @@ class LceGemmSm90:
                 dst[v] = gD[crd]
 
     @cute.jit
-    def _work(self, sched):
+    def _work(self, sched, M):
         """The scheduler's next tile, with each wave's cluster -> tile map rotated by one per
         wave (cfg.rotate): the library's walk gives cluster k the tiles k + G*w of the G
         persistent clusters, so with G a multiple of the number of M tiles a cluster gets
@@ -411,7 +421,13 @@ class LceGemmSm90:
         k = sched._current_work_linear_idx - w * G
         W = (cute.size(sched.params.problem_layout_ncluster_mnl) - 1) // G
         # w > W: past the last wave, any index >= W * G + G is invalid
-        return sched._get_current_work_for_linear_idx(w * G + (k + W - w + G) % G)
+        shift = (W - w + G) % G
+        if (M - 1) % self.cta_tile[1] >= self.cta_tile[1] // 2:
+            # the last M tile is at least half as wide as the others: the M tiles cost about
+            # the same and rotating measured ~2% slower (M = 433; cause not found), so keep
+            # the library's walk
+            shift = 0
+        return sched._get_current_work_for_linear_idx(w * G + (k + shift) % G)
 
     @cute.jit
     def _epi_count(self, M, tile_m_idx):
@@ -587,6 +603,7 @@ class LceGemmSm90:
         acc = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
 
         k_tile_cnt = cute.size(gA, mode=[3])
+        M_rows = mC.shape[1]
         # k16 blocks of the last k-tile that hold data below K
         kb_last = (mA.shape[1] - (k_tile_cnt - 1) * bk + 15) // 16
 
@@ -622,7 +639,7 @@ class LceGemmSm90:
         if warp_idx == self.load_warp_id:
             sched = utils.StaticPersistentTileScheduler.create(
                 sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
-            work = self._work(sched)
+            work = self._work(sched, M_rows)
             prod_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Producer, self.ab_stages)
             while work.is_valid_tile:
@@ -643,7 +660,7 @@ class LceGemmSm90:
                     ab_pipeline.producer_commit(prod_state)
                     prod_state.advance()
                 sched.advance_to_next_work()
-                work = self._work(sched)
+                work = self._work(sched, M_rows)
             # keep the CTA alive until consumers released every stage (multicast peers
             # may still be writing into our smem otherwise)
             ab_pipeline.producer_tail(prod_state)
@@ -653,7 +670,6 @@ class LceGemmSm90:
         epi_grid = (bm // self.epi_tile[0], bn // self.epi_tile[1])
         epi_num = epi_grid[0] * epi_grid[1]
         epi_order = cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
-        M_rows = mC.shape[1]
 
         # ------------------------------------------------------- addend loader warp
         # Loads every epilogue subtile the epilogue stores (those wholly past M are skipped
@@ -669,7 +685,7 @@ class LceGemmSm90:
                     cute.arch.griddepcontrol_wait()
                 sched = utils.StaticPersistentTileScheduler.create(
                     sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
-                work = self._work(sched)
+                work = self._work(sched, M_rows)
                 add_prod_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.addend_stages)
                 while work.is_valid_tile:
@@ -691,7 +707,7 @@ class LceGemmSm90:
                             add_pipeline.producer_commit(add_prod_state)
                             add_prod_state.advance()
                     sched.advance_to_next_work()
-                    work = self._work(sched)
+                    work = self._work(sched, M_rows)
                 # every stage released: no TMA write into smem outlives this warp
                 add_pipeline.producer_tail(add_prod_state)
 
@@ -701,7 +717,7 @@ class LceGemmSm90:
             mma_tidx = tidx - self.num_threads_per_wg
             sched = utils.StaticPersistentTileScheduler.create(
                 sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
-            work = self._work(sched)
+            work = self._work(sched, M_rows)
             read_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(
@@ -865,7 +881,7 @@ class LceGemmSm90:
                             tl[tl_slot + 4] = cutlass.Int32(cute.arch.clock64() - t_base)
 
                 sched.advance_to_next_work()
-                work = self._work(sched)
+                work = self._work(sched, M_rows)
 
             if warp_idx == self.epi_store_warp_id:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -88,17 +88,18 @@ def test_edge_shapes(design, dtype, counts, m, n, kc, ku):
     check(run_poisoned(args, dtype), args, dtype)
 
 
-# M = 224 + r walks the sm90 kernel's last-M-tile widths (224 wide tiles; the last one runs
-# 208 / 216 / 224 wide, and its epilogue skips subtiles past M), K_cand / K_user the last
-# k-tile's k16 blocks (K % 32 in {1..16}: one block, {17..31, 0}: two), also for K below
-# one k-tile, with several tiles per CTA (the rotated walk)
+# sm90: M tiles of the default build (224; the last one 208 / 216 / 224 wide, its epilogue
+# skipping subtiles past M, the walk rotated when it is narrower than 112) and of the wide
+# build (256; 240 / 248 / 256) that the dispatch picks for M it covers in fewer tiles;
+# K_cand / K_user cover the last k-tile's k16 blocks (K % 32 in {1..16}: one block,
+# {17..31, 0}: two), also K below one k-tile; >= 202 tiles, so CTAs run several
 @pytest.mark.parametrize("m,kc,ku", [
-    (225, 866, 1178), (257, 16, 17), (432, 33, 32), (440, 48, 5), (441, 20, 64),
-    (385, 97, 112), (417, 113, 31), (433, 866, 1), (441, 8, 49), (448, 31, 15),
-    (449, 65, 160), (97, 866, 866),
+    (257, 16, 17), (289, 33, 32), (432, 33, 32), (440, 48, 5), (441, 20, 64), (433, 866, 1),
+    (448, 31, 15), (97, 866, 866),                                     # 224-wide build
+    (449, 65, 160), (480, 8, 49), (505, 113, 31), (512, 866, 1178), (700, 97, 112),  # wide
 ])
 def test_tail_tiles(design, m, kc, ku):
-    counts = [40, 0, 30, 31]  # >= 202 tiles: more than one wave of the persistent grid
+    counts = [40, 0, 30, 31]
     args = make_problem(counts, m, 136, kc, ku, torch.bfloat16, seed=m + kc)
     check(run_poisoned(args, torch.bfloat16), args, torch.bfloat16)
 
