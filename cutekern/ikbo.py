@@ -203,11 +203,21 @@ def pick_lce_function(lookup, has_addend: bool, m: int, has_wide: bool):
     if not has_wide:
         return lookup(flags)
     fns = [lookup({**flags, "wide": w}) for w in (False, True)]
-    tiles = [-(-m // int(f.meta["config"]["tile_m"])) for f in fns]
+    # the key's config is the design's default; the flag swaps in its wide_tile_m
+    tiles = [-(-m // int(f.meta["config"]["wide_tile_m" if w else "tile_m"]))
+             for f, w in zip(fns, (False, True))]
     return fns[1] if tiles[1] < tiles[0] else fns[0]
 
 
 def _lce_function(ab, c, has_addend, m, device):
+    from .dispatch import ENV_ARCH, ENV_ARTIFACTS, ENV_DESIGN
+    env = tuple(os.environ.get(k) for k in (ENV_ARCH, ENV_DESIGN, ENV_ARTIFACTS))
+    return _lce_function_cached(ab, c, has_addend, m, getattr(device, "index", device), env)
+
+
+@functools.lru_cache(maxsize=256)
+def _lce_function_cached(ab, c, has_addend, m, device, env):
+    # cached: this sits on every eager call's host path (env: as get_function's own cache)
     from .arch import target_arch, target_design
     from .dispatch import get_function
     return pick_lce_function(

@@ -69,9 +69,8 @@ def test_lce_wide_build_choice():
     from types import SimpleNamespace
     from cutekern.ikbo import pick_lce_function
 
-    def lookup(fl):
-        tile_m = 256 if fl.get("wide") else 224
-        return SimpleNamespace(meta={"config": {"tile_m": tile_m}}, flags=fl)
+    def lookup(fl):  # every build's key carries the design's default config
+        return SimpleNamespace(meta={"config": {"tile_m": 224, "wide_tile_m": 256}}, flags=fl)
 
     def pick(m, has_wide=True):
         return pick_lce_function(lookup, True, m, has_wide).flags

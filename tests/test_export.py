@@ -129,7 +129,8 @@ def test_lce_sm90_tail_tiles(exported):
     for e in manifest["kernels"]:
         if (e["op"], e["design"], e["arch"]) != ("lce_gemm", "sm90", "sm_90a"):
             continue
-        cfg = replace(LceSm90Config(), tile_m=e["config"]["tile_m"])
+        c = e["config"]
+        cfg = replace(LceSm90Config(), tile_m=c["wide_tile_m"] if e["flags"]["wide"] else c["tile_m"])
         widths = {cfg.tile_m, *_m_tail_widths(cfg)}
         assert widths == ({256, 248, 240} if e["flags"]["wide"] else {224, 216, 208})
         sass = (out / e["object"]).with_suffix(".sass").read_text()
