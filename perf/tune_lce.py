@@ -16,7 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CONFIGS = {
     "sm90": {
         "default": {},
-        "no_rotate": {"rotate": False},
     },
 }
 
@@ -61,7 +60,8 @@ def run(root: Path, out_dir: Path, rounds: int = 3, warmup_s: float = 10.0, reps
         design = d.name.split("-")[0]
         man = Manifest(d)
         f_user, f_cand = lce_phase_functions(man, design, M, wide=wide)
-        cfgs.append((d.name, f_cand.meta["config"], f_user, f_cand))
+        cfgs.append((d.name, {**f_cand.meta["config"], "flags": f_cand.meta.get("flags")},
+                     f_user, f_cand))
     part = torch.empty(u, M, N, device="cuda")
     out = torch.empty(B, M, N, dtype=dt, device="cuda")
     times = {name: {"total": [], "graph_total": [], "user": [], "cand": []} for name, *_ in cfgs}
@@ -98,7 +98,7 @@ def run(root: Path, out_dir: Path, rounds: int = 3, warmup_s: float = 10.0, reps
                "user_ms": med["user"], "cand_ms": med["cand"],
                "cand_ms_rounds": times[name]["cand"], "useful_tflops": flops / med["total"] / 1e9}
         rows.append(row)
-        print(f"{name:28s} err={errs[name]:.2e} graph_total={med['graph_total']:.3f} "
+        print(f"{name:28s} {fields.get('flags')} err={errs[name]:.2e} graph_total={med['graph_total']:.3f} "
               f"total={med['total']:.3f} user={med['user']:.3f} "
               f"cand={med['cand']:.3f} ms (rounds {' '.join(f'{t:.3f}' for t in times[name]['cand'])})"
               f"  {row['useful_tflops']:.0f} TF", flush=True)
