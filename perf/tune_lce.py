@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CONFIGS = {
     "sm90": {
         "default": {},
+        "none": {"rotate": False, "m_tail": 0, "k_tail": False},
     },
 }
 
@@ -30,17 +31,17 @@ def make(root: Path):
 
 
 def run(root: Path, out_dir: Path, rounds: int = 3, warmup_s: float = 10.0, reps: int = 10,
-        m=None, kc=None, wide=True):
+        m=None, kc=None, wide=True, B=1024, ratio=70):
     import torch
     from common import LCE_REF, lce_phase_functions, lce_problem, time_graph_ms, time_ms
     from cutekern.runtime import Manifest
     from cutekern.reference import pad_k, lce_reference
 
-    M, N, KU, KC, B = LCE_REF["M"], LCE_REF["N"], LCE_REF["K_user"], LCE_REF["K_cand"], 1024
+    M, N, KU, KC = LCE_REF["M"], LCE_REF["N"], LCE_REF["K_user"], LCE_REF["K_cand"]
     M, KC = M if m is None else m, KC if kc is None else kc
     dt = torch.float16
-    wc, wu, ec, eu, c2u = lce_problem(B, 70, dt, M=M, N=N, K_cand=KC, K_user=KU)
-    print(f"shape: M={M} N={N} K_cand={KC} K_user={KU} B={B} ratio 70", flush=True)
+    wc, wu, ec, eu, c2u = lce_problem(B, ratio, dt, M=M, N=N, K_cand=KC, K_user=KU)
+    print(f"shape: M={M} N={N} K_cand={KC} K_user={KU} B={B} ratio {ratio}", flush=True)
     wc, wu, u = pad_k(wc), pad_k(wu), eu.shape[0]
     ref = lce_reference(wc[:, :KC], wu[:, :KU], ec, eu, c2u)
     flops = 2 * M * N * (B * KC + u * KU)
@@ -102,7 +103,7 @@ def run(root: Path, out_dir: Path, rounds: int = 3, warmup_s: float = 10.0, reps
               f"total={med['total']:.3f} user={med['user']:.3f} "
               f"cand={med['cand']:.3f} ms (rounds {' '.join(f'{t:.3f}' for t in times[name]['cand'])})"
               f"  {row['useful_tflops']:.0f} TF", flush=True)
-    rows[0]["shape"] = {"M": M, "N": N, "K_cand": KC, "K_user": KU, "B": B, "ratio": 70}
+    rows[0]["shape"] = {"M": M, "N": N, "K_cand": KC, "K_user": KU, "B": B, "ratio": ratio}
     (out_dir / "tune_lce.json").write_text(json.dumps(rows, indent=1))
 
 
@@ -117,8 +118,10 @@ if __name__ == "__main__":
     ap.add_argument("--m", type=int, help="problem M instead of the reference shape's 433")
     ap.add_argument("--kc", type=int, help="K_cand instead of the reference shape's 866")
     ap.add_argument("--no-wide", action="store_true", help="never the sm90 wide build")
+    ap.add_argument("--b", type=int, default=1024, help="candidates")
+    ap.add_argument("--ratio", type=int, default=70, help="candidates per user")
     a = ap.parse_args()
     if a.make:
         make(a.make)
     else:
-        run(a.root, a.out, a.rounds, a.warmup, a.reps, a.m, a.kc, not a.no_wide)
+        run(a.root, a.out, a.rounds, a.warmup, a.reps, a.m, a.kc, not a.no_wide, a.b, a.ratio)
