@@ -5,8 +5,8 @@
 The kernel computes the transposed product c[l]^T = b[l]^T @ a^T, so the WGMMA "M" side is
 the problem's N and the WGMMA "N" side is the problem's M. WGMMA M is fixed at 64 per
 warpgroup while WGMMA N can be any multiple of 8 up to 256; putting the odd-sized M
-(433 in the reference shape) on the N side lets the tile follow it closely (2 x 224 = 448
-rows computed instead of 4 x 128 = 512), which removes ~12% of the tensor-core work.
+(433 in the reference shape) on the N side lets the tile follow it closely (224 + 216 = 440
+rows computed, the last tile running a narrower WGMMA, instead of 4 x 128 = 512).
 In that orientation b^T is an MN-major A operand and a^T a K-major B operand, both legal
 for 16-bit WGMMA, and c^T is an M-major output that the TMA store writes directly.
 
@@ -790,7 +790,7 @@ class LceGemmSm90:
                     if tl_on:
                         tl[tl_slot + 1] = cutlass.Int32(cute.arch.clock64() - t_base)
                 # problem-M rows from this tile on; the last M' tile may run narrower
-                rem_m = mC.shape[1] - tc[1] * bn
+                rem_m = M_rows - tc[1] * bn
                 sel = 0
                 for i in cutlass.range_constexpr(len(tail_w)):
                     if rem_m <= tail_w[i]:
