@@ -16,9 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CONFIGS = {
     "sm90": {
         "default": {},
-        "s7": {"ab_stages": 7},
-        "k64s3": {"tile_k": 64, "ab_stages": 3},
-        "c22_n120": {"cluster_m": 2, "num_ctas": 120},
+        "shared_epi": {"wg_epilogue": False},
     },
 }
 
