@@ -93,10 +93,6 @@ class LceSm90Config:
         tile in turn (with the library's walk a cluster keeps one M tile when the grid is a
         multiple of the M tile count, and those with the narrow last one idle: M = 449, three
         M tiles, 0.73 -> 0.66 ms on the H200).
-    wg_epilogue: each consumer warpgroup stores its own half of an epilogue subtile (its own
-        named barrier and TMA store; an addend stage is released by both). Without a barrier
-        shared by both warpgroups they are coupled only through the operand and addend
-        rings, so one can run its epilogue while the other's WGMMAs use the tensor cores.
     debug_no_epilogue: diagnostics only (never exported by default): skip the epilogue,
         so the output is not written; times the loads and WGMMAs alone.
     debug_no_addend: diagnostics only: the epilogue neither loads nor adds the addend.
@@ -124,7 +120,6 @@ class LceSm90Config:
     m_tail: int = 2
     k_tail: bool = True
     rotate: bool = True
-    wg_epilogue: bool = True
     wide_tile_m: int = 256
     debug_no_epilogue: bool = False
     debug_no_addend: bool = False
@@ -214,7 +209,6 @@ class LceGemmSm90:
         self.load_warp_id = 0
         self.addend_load_warp_id = 1  # idle otherwise: second warp of the producer warpgroup
         self.epi_store_warp_id = 4  # first warp of the first consumer warpgroup
-        self.wg_epi = config.wg_epilogue
         # producer WG gives registers to the consumers (128 x 40 + 256 x 232 <= 64K)
         self.load_regs = 40
         self.mma_regs = _mma_regs(self.num_mma_wg)
@@ -318,16 +312,9 @@ class LceGemmSm90:
             cpasync.CopyBulkTensorTileG2SOp() if mc_b == 1
             else cpasync.CopyBulkTensorTileG2SMulticastOp(),
             mB, b_smem, (bn, bk), num_multicast=mc_b)
-        # wg_epilogue: each warpgroup stores its 64-row half of a subtile. The staged layout
-        # tiles its atoms along the subtile's columns first, so each half of a buffer is a
-        # contiguous block laid out as a (64, epi_m) buffer: buffer b's half w is stage
-        # 2 b + w of epi_store_staged.
-        store_tile = (64, self.cfg.epi_m) if self.wg_epi else self.epi_tile
-        epi_store_staged = sm90_utils.make_smem_layout_epi(
-            self.c_dtype, c_layout, store_tile, self.epi_stages * (2 if self.wg_epi else 1))
         tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mC,
-            cute.slice_(epi_store_staged, (None, None, 0)), store_tile)
+            cute.slice_(epi_smem_staged, (None, None, 0)), self.epi_tile)
 
         tma_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + \
             cute.size_in_bytes(self.ab_dtype, b_smem)
@@ -392,8 +379,7 @@ class LceGemmSm90:
         self.kernel(
             tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c,
             mD, idx, tiled_mma,
-            a_smem_staged, b_smem_staged, epi_smem_staged, epi_store_staged, tma_bytes,
-            sched_params,
+            a_smem_staged, b_smem_staged, epi_smem_staged, tma_bytes, sched_params,
             tma_atom_d, tma_d, add_smem_staged, add_bytes,
         ).launch(
             grid=grid,
@@ -517,7 +503,6 @@ class LceGemmSm90:
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
         epi_smem_staged: cute.ComposedLayout,
-        epi_store_staged: cute.ComposedLayout,
         tma_bytes: cutlass.Constexpr,
         sched_params: utils.PersistentTileSchedulerParams,
         tma_atom_d,
@@ -577,8 +562,7 @@ class LceGemmSm90:
                 barrier_storage=storage.add_mbar.data_ptr(),
                 num_stages=self.addend_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.num_mma_wg if self.wg_epi else 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
                 tx_count=add_bytes,
                 defer_sync=True,
             )
@@ -587,8 +571,6 @@ class LceGemmSm90:
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
-        # the same buffers as the TMA store sees them (halves per warpgroup: wg_epilogue)
-        sC_store = storage.sC.get_tensor(epi_store_staged.outer, swizzle=epi_store_staged.inner)
         sAdd = None
         if cutlass.const_expr(self.addend_tma):
             # (tile_n, epi_m, ADD_STAGE)
@@ -758,13 +740,6 @@ class LceGemmSm90:
             size_rD = cute.size(tRS_rD)
 
             epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
-            wg = wg_idx - 1  # consumer warpgroup
-            store_warp = self.epi_store_warp_id
-            if cutlass.const_expr(self.wg_epi):
-                # its own barrier and store warp (the first warp of the warpgroup)
-                epi_bar = pipeline.NamedBarrier(barrier_id=1 + wg,
-                                                num_threads=self.num_threads_per_wg)
-                store_warp = self.epi_store_warp_id + 4 * wg
 
             # coordinates (n, m) of every output element, for the addend's predicate
             cC = cute.make_identity_tensor((mC.shape[0], mC.shape[1]))
@@ -847,11 +822,10 @@ class LceGemmSm90:
                         mD[(0, 0, 0)] = acc[0]
                 if cutlass.const_expr(not self.cfg.debug_no_epilogue):
                     gC_t = gC[(None, None, tc[0], tc[1], tc[2])]
-                    gC_epi = cute.zipped_divide(
-                        gC_t, (64, self.cfg.epi_m) if self.wg_epi else self.epi_tile)
+                    gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
                     bSG_sC, bSG_gC = cpasync.tma_partition(
                         tma_atom_c, 0, cute.make_layout(1),
-                        cute.group_modes(sC_store, 0, 2), gC_epi)
+                        cute.group_modes(sC, 0, 2), gC_epi)
                     n_epi = self._epi_count(M_rows, tc[1])
                     for e in cutlass.range_constexpr(epi_num):
                         if e < n_epi:  # subtiles wholly past M are skipped
@@ -885,7 +859,7 @@ class LceGemmSm90:
                             # make the generic-proxy smem accesses (output writes, and the addend
                             # reads before the loader's next TMA write) ordered with the async proxy
                             cute.arch.fence_proxy("async.shared", space="cta")
-                            if warp_idx == store_warp:
+                            if warp_idx == self.epi_store_warp_id:
                                 # one barrier per subtile: the buffer written after this barrier,
                                 # (epi_cnt + e + 1) % epi_stages, was last read by the store issued
                                 # epi_stages - 1 subtiles ago; leave at most epi_stages - 2 stores
@@ -893,17 +867,11 @@ class LceGemmSm90:
                                 # last store this warp's convert/stmatrix time to drain.
                                 cute.arch.cp_async_bulk_wait_group(self.epi_stages - 2, read=True)
                             epi_bar.arrive_and_wait()
-                            if warp_idx == store_warp:
+                            if warp_idx == self.epi_store_warp_id:
                                 if cutlass.const_expr(self.addend_tma):
-                                    # every thread (of this warpgroup: wg_epilogue) has read
-                                    # the stage (barrier above)
+                                    # every consumer thread has read the stage (barrier above)
                                     add_pipeline.consumer_release(add_cons_state)
-                                if cutlass.const_expr(self.wg_epi):
-                                    cute.copy(tma_atom_c, bSG_sC[(None, 2 * buf + wg)],
-                                              bSG_gC[(None, (wg, ecrd[1]))])
-                                else:
-                                    cute.copy(tma_atom_c, bSG_sC[(None, buf)],
-                                              bSG_gC[(None, ecrd)])
+                                cute.copy(tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, ecrd)])
                                 cute.arch.cp_async_bulk_commit_group()
                             if cutlass.const_expr(self.addend_tma):
                                 add_cons_state.advance()
@@ -915,5 +883,5 @@ class LceGemmSm90:
                 sched.advance_to_next_work()
                 work = self._work(sched, M_rows)
 
-            if warp_idx == store_warp:
+            if warp_idx == self.epi_store_warp_id:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
