@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CONFIGS = {
     "sm90": {
         "default": {},
-        "shared_epi": {"wg_epilogue": False},
+        "no_rotate": {"rotate": False},
     },
 }
 
