@@ -168,7 +168,7 @@ def choose_kernel(m, h, arch, design, num_blocks=None):
     # $CUTEKERN_ATTN_RES_SPLIT forces a split (tuning sweeps, perf/tune_memops.py)
     split = int(os.environ.get("CUTEKERN_ATTN_RES_SPLIT", 0)) or _row_split(m, design)
     flags = {"max_hidden": tier, "row_split": split}
-    if any("online" in dict(f) for _, f in OPS["attn_res"].variants_for(design)):
+    if OPS["attn_res"].has_flag(design, "online"):
         flags["online"] = bool(split == 1 and tier == HIDDEN_TIERS[0] and (
             (k <= 1 and m < _ADA_SHORT_ROWS) or m * (k + 2) <= _ONLINE_LOADS))
     return design, flags

@@ -15,7 +15,6 @@ summation order and no atomics, so results are bitwise reproducible and batch-in
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -193,19 +192,14 @@ def _expand_weights(topk_weights, finalize, t, k, dev):
     return topk_weights if finalize else torch.zeros(t, k, dtype=torch.float32, device=dev)
 
 
-@functools.lru_cache(maxsize=None)
-def _has_after_shrink(design: str) -> bool:
-    from .registry import OPS
-    return any("after_shrink" in dict(f) for _, f in OPS["bgmv_expand"].variants_for(design))
-
-
 def _expand_function(dtype, finalize, device, after_shrink):
     """``after_shrink``: launched right after this module's shrink (a plan), so a design
     that has such a variant may overlap the two (sm90: PDL, kernels/CONTRACT_BGMV.md)."""
     from .arch import target_arch, target_design
     from .dispatch import get_function
     flags = {"finalize": bool(finalize)}
-    if _has_after_shrink(target_design(target_arch(device))):
+    from .registry import OPS
+    if OPS["bgmv_expand"].has_flag(target_design(target_arch(device)), "after_shrink"):
         flags["after_shrink"] = bool(after_shrink)
     return get_function("bgmv_expand", {"dtype": _DTYPES[dtype]}, flags, device)
 

@@ -35,11 +35,16 @@ def dsl_available() -> bool:
     return importlib.util.find_spec("cutlass") is not None
 
 
+def env_key() -> tuple:
+    """The environment overrides a cached kernel lookup depends on."""
+    return (os.environ.get(ENV_ARCH), os.environ.get(ENV_DESIGN), os.environ.get(ENV_ARTIFACTS))
+
+
 def get_function(op: str, dtypes: dict, flags: dict, device=None, design=None) -> KernelFunction:
     """The compiled function for (op, dtypes, flags) on ``device``'s target. Cached per
     (device, environment overrides): this sits on every call's host path. ``design``: an op's
     own per-shape choice among the designs the target hosts; $CUTEKERN_DESIGN still wins."""
-    env = (os.environ.get(ENV_ARCH), os.environ.get(ENV_DESIGN), os.environ.get(ENV_ARTIFACTS))
+    env = env_key()
     dev = getattr(device, "index", device)
     return _cached_function(op, tuple(dtypes.items()), tuple(flags.items()), dev, env,
                             None if env[1] else design)

@@ -189,12 +189,6 @@ def _check_indices(cand_to_user, num_users, kv_len=None, s_max=0, op="linear_com
         raise err("kv_len", f"has values outside [0, S_max={s_max}]")
 
 
-@functools.lru_cache(maxsize=None)
-def _has_wide(design: str) -> bool:
-    from .registry import OPS
-    return any("wide" in dict(f) for _, f in OPS["lce_gemm"].variants_for(design))
-
-
 def pick_lce_function(lookup, has_addend: bool, m: int, has_wide: bool):
     """The LCE phase kernel for M rows: ``lookup(flags)`` returns the kernel function of one
     flag set. A design with a `wide` build (sm90) runs it when its M tile covers M in fewer
@@ -210,9 +204,8 @@ def pick_lce_function(lookup, has_addend: bool, m: int, has_wide: bool):
 
 
 def _lce_function(ab, c, has_addend, m, device):
-    from .dispatch import ENV_ARCH, ENV_ARTIFACTS, ENV_DESIGN
-    env = tuple(os.environ.get(k) for k in (ENV_ARCH, ENV_DESIGN, ENV_ARTIFACTS))
-    return _lce_function_cached(ab, c, has_addend, m, getattr(device, "index", device), env)
+    from .dispatch import env_key
+    return _lce_function_cached(ab, c, has_addend, m, getattr(device, "index", device), env_key())
 
 
 @functools.lru_cache(maxsize=256)
@@ -220,9 +213,10 @@ def _lce_function_cached(ab, c, has_addend, m, device, env):
     # cached: this sits on every eager call's host path (env: as get_function's own cache)
     from .arch import target_arch, target_design
     from .dispatch import get_function
+    from .registry import OPS
     return pick_lce_function(
         lambda fl: get_function("lce_gemm", {"ab": ab, "c": c}, fl, device), has_addend, m,
-        _has_wide(target_design(target_arch(device))))
+        OPS["lce_gemm"].has_flag(target_design(target_arch(device)), "wide"))
 
 
 def _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out) -> list:

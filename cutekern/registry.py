@@ -5,6 +5,7 @@ A variant's identity is a KernelKey; everything that changes generated code is i
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -62,6 +63,15 @@ class OpSpec:
 
     def variants_for(self, design: str) -> tuple:
         return dict(self.design_variants).get(design, self.variants)
+
+    def has_flag(self, design: str, flag: str) -> bool:
+        """Whether the design's variants carry `flag` (a design-specific build choice)."""
+        return _has_flag(self.name, design, flag)
+
+
+@functools.lru_cache(maxsize=None)  # asked on call paths (per plan / per one-shot call)
+def _has_flag(op: str, design: str, flag: str) -> bool:
+    return any(flag in dict(f) for _, f in OPS[op].variants_for(design))
 
 
 _DESIGN_SUFFIX = {"sm90": "Sm90", "ada": "Ada", "sm100": "Sm100"}

@@ -124,14 +124,12 @@ def lce_phase_functions(man, design, m, ab="float16", arch="sm_90a", wide=True):
     """(user phase, candidate phase) kernels of an export for M rows, picked as the API picks
     them (cutekern.ikbo.pick_lce_function); wide=False keeps the default build."""
     from cutekern.ikbo import pick_lce_function
-    has_wide = wide and any(e["op"] == "lce_gemm" and e["design"] == design and "wide" in e["flags"]
-                            for e in man.data["kernels"])
+    exported_wide = any(e["op"] == "lce_gemm" and e["design"] == design and "wide" in e["flags"]
+                        for e in man.data["kernels"])
 
     def phase(c, add):
-        def lookup(fl):
-            if "wide" not in fl and any("wide" in e["flags"] for e in man.data["kernels"]
-                                        if e["op"] == "lce_gemm" and e["design"] == design):
-                fl = {**fl, "wide": False}
+        def lookup(fl):  # an export with wide builds keys the default one as wide=False
+            fl = {"wide": False, **fl} if exported_wide else fl
             return man.function("lce_gemm", design, arch, {"ab": ab, "c": c}, fl)
-        return pick_lce_function(lookup, add, m, has_wide)
+        return pick_lce_function(lookup, add, m, wide and exported_wide)
     return phase("float32", False), phase(ab, True)

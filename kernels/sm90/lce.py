@@ -447,6 +447,8 @@ class LceGemmSm90:
         the stage of k-tile j-1 is released once its WGMMA has retired. The last k-tile
         issues its first kb_last k16 blocks only (the rest lie past K). Leaves the last
         k-tile's WGMMA in flight and its stage held."""
+        # the WGMMA groups below stay written out: a helper setting ACCUMULATE does not get the
+        # field carried through the loop and the branches (the DSL rejects the IR)
         num_k_blocks = cute.size(tCrA, mode=[2])
         read_state.reset_count()
         release_state.reset_count()
@@ -612,11 +614,10 @@ class LceGemmSm90:
         # accumulator fragment holds its columns in 8-wide chunks, outermost, so the w-wide
         # fragment is a prefix of the bn-wide one; the columns past w keep stale values and
         # lie wholly past M, where the TMA store clips them.
-        tail_w = _m_tail_widths(self.cfg)
-        tail_mma = []
-        tail_B = []
-        tail_acc = []
-        for w in tail_w:
+        # widths[i] runs mmas[i] on Bs[i] into accs[i]; entry 0 is the full tile
+        widths = (bn,) + _m_tail_widths(self.cfg)
+        mmas, Bs, accs = [tiled_mma], [tCrB], [acc]
+        for w in widths[1:]:
             mma_w = sm90_utils.make_trivial_tiled_mma(
                 self.ab_dtype, self.ab_dtype, OperandMajorMode.MN, OperandMajorMode.K,
                 self.acc_dtype, (self.num_mma_wg, 1, 1), tiler_mn=(64, w))
@@ -625,10 +626,10 @@ class LceGemmSm90:
                 cute.make_layout((w, bk, self.ab_stages), stride=(1, bn, bn * bk)))
             sB_w = storage.sB.get_tensor(b_w, swizzle=b_smem_staged.inner)
             thr_w = mma_w.get_slice(mma_thr_layout(wg_idx - 1))
-            tail_mma.append(mma_w)
-            tail_B.append(mma_w.make_fragment_B(thr_w.partition_B(sB_w)))
+            mmas.append(mma_w)
+            Bs.append(mma_w.make_fragment_B(thr_w.partition_B(sB_w)))
             acc_shape_w = thr_w.partition_C(cute.local_tile(mC, (bm, w), (0, 0, 0))).shape
-            tail_acc.append(cute.make_tensor(acc.iterator, cute.make_layout(acc_shape_w)))
+            accs.append(cute.make_tensor(acc.iterator, cute.make_layout(acc_shape_w)))
 
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
 
@@ -791,19 +792,15 @@ class LceGemmSm90:
                         tl[tl_slot + 1] = cutlass.Int32(cute.arch.clock64() - t_base)
                 # problem-M rows from this tile on; the last M' tile may run narrower
                 rem_m = M_rows - tc[1] * bn
-                sel = 0
-                for i in cutlass.range_constexpr(len(tail_w)):
-                    if rem_m <= tail_w[i]:
-                        sel = i + 1
-                if sel == 0:
-                    read_state, release_state = self._mainloop(
-                        tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state,
-                        k_tile_cnt, kb_last)
-                for i in cutlass.range_constexpr(len(tail_w)):
-                    if sel == i + 1:
+                sel = 0  # the narrowest width that covers rem_m (widths descend)
+                for i in cutlass.range_constexpr(1, len(widths)):
+                    if rem_m <= widths[i]:
+                        sel = i
+                for i in cutlass.range_constexpr(len(widths)):
+                    if sel == i:
                         read_state, release_state = self._mainloop(
-                            tail_mma[i], tail_acc[i], tCrA, tail_B[i], ab_pipeline,
-                            read_state, release_state, k_tile_cnt, kb_last)
+                            mmas[i], accs[i], tCrA, Bs[i], ab_pipeline, read_state,
+                            release_state, k_tile_cnt, kb_last)
                 if cutlass.const_expr(use_ldg_addend):
                     # first addend subtile loads overlap the last WGMMA
                     self._load_addend(thr_copy_r2s, cC_t, gD, extent_nm,
