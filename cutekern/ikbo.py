@@ -189,34 +189,59 @@ def _check_indices(cand_to_user, num_users, kv_len=None, s_max=0, op="linear_com
         raise err("kv_len", f"has values outside [0, S_max={s_max}]")
 
 
-def pick_lce_function(lookup, has_addend: bool, m: int, has_wide: bool):
+def pick_lce_function(lookup, has_addend: bool, m: int, has_wide: bool,
+                      has_narrow: bool = False, batch: int = 0, n: int = 0, sms=None):
     """The LCE phase kernel for M rows: ``lookup(flags)`` returns the kernel function of one
     flag set. A design with a `wide` build (sm90) runs it when its M tile covers M in fewer
-    tiles than the default build's (M = 449: 2 x 256 rather than 3 x 224 rows)."""
+    tiles than the default build's (M = 449: 2 x 256 rather than 3 x 224 rows). A design with
+    a `narrow` user-phase build (sm90) runs that for the user phase (batch = U users of N
+    columns) when its tiles still fit in one wave of the grid (``sms``: the device's SM
+    count, else the config's num_ctas): the candidate phase waits for the whole user phase,
+    so a one-wave user GEMM is on the critical path for its wall time, which half-height
+    tiles on twice the SMs cut."""
     flags = {"has_addend": has_addend}
+    if has_narrow:
+        flags["narrow"] = False
     if not has_wide:
-        return lookup(flags)
-    fns = [lookup({**flags, "wide": w}) for w in (False, True)]
-    # the key's config is the design's default; the flag swaps in its wide_tile_m
-    tiles = [-(-m // int(f.meta["config"]["wide_tile_m" if w else "tile_m"]))
-             for f, w in zip(fns, (False, True))]
-    return fns[1] if tiles[1] < tiles[0] else fns[0]
+        best = lookup(flags)
+    else:
+        fns = [lookup({**flags, "wide": w}) for w in (False, True)]
+        # the key's config is the design's default; the flag swaps in its wide_tile_m
+        tiles = [-(-m // int(f.meta["config"]["wide_tile_m" if w else "tile_m"]))
+                 for f, w in zip(fns, (False, True))]
+        best = fns[1] if tiles[1] < tiles[0] else fns[0]
+    if has_narrow and not has_addend:
+        fn = lookup({**flags, "narrow": True, **({"wide": False} if has_wide else {})})
+        cfg = fn.meta["config"]
+        grid = min(int(cfg["num_ctas"]), sms or int(cfg["num_ctas"]))
+        if batch * -(-n // int(cfg["tile_n"])) * -(-m // int(cfg["narrow_tile_m"])) <= grid:
+            return fn
+    return best
 
 
-def _lce_function(ab, c, has_addend, m, device):
+def _lce_function(ab, c, has_addend, m, device, batch=0, n=0):
     from .dispatch import env_key
-    return _lce_function_cached(ab, c, has_addend, m, getattr(device, "index", device), env_key())
+    # only the user phase's pick depends on (batch, n)
+    key = (batch, n) if not has_addend else (0, 0)
+    return _lce_function_cached(ab, c, has_addend, m, getattr(device, "index", device), env_key(),
+                                *key)
 
 
 @functools.lru_cache(maxsize=256)
-def _lce_function_cached(ab, c, has_addend, m, device, env):
+def _lce_function_cached(ab, c, has_addend, m, device, env, batch, n):
     # cached: this sits on every eager call's host path (env: as get_function's own cache)
     from .arch import target_arch, target_design
     from .dispatch import get_function
     from .registry import OPS
+    design = target_design(target_arch(device))
+    sms = None  # a CPU box tracing another arch: the config's grid bound
+    if torch.cuda.is_available():
+        sms = torch.cuda.get_device_properties(
+            torch.cuda.current_device() if device is None else device).multi_processor_count
     return pick_lce_function(
         lambda fl: get_function("lce_gemm", {"ab": ab, "c": c}, fl, device), has_addend, m,
-        OPS["lce_gemm"].has_flag(target_design(target_arch(device)), "wide"))
+        OPS["lce_gemm"].has_flag(design, "wide"), OPS["lce_gemm"].has_flag(design, "narrow"),
+        batch, n, sms)
 
 
 def _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out) -> list:
@@ -234,7 +259,7 @@ def _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out) -> list:
         partial = torch.zeros(u, w_user_p.shape[0], n, dtype=torch.float32, device=dev)
     else:
         partial = torch.empty(u, w_user_p.shape[0], n, dtype=torch.float32, device=dev)
-        user = _lce_function(ab, "float32", False, w_user_p.shape[0], dev)
+        user = _lce_function(ab, "float32", False, w_user_p.shape[0], dev, u, n)
         # d/idx are unused by this variant; pass valid tensors of the right kind
         steps.append((user, (w_user_p, e_user, partial, partial, cand_to_user)))
     if kc == 0:  # degenerate: no candidate features

@@ -83,15 +83,21 @@ def _impls(module: str, kernel_stem: str, config_stem: str) -> dict:
             for d, sfx in _DESIGN_SUFFIX.items()}
 
 
-def _lce_variants(wide=(None,)):
-    # wide (sm90): the build with the wider M tile, for M it covers in fewer tiles
+def _lce_variants(wide=(None,), narrow=False):
+    # wide (sm90): the build with the wider M tile, for M it covers in fewer tiles;
+    # narrow (sm90): a user-phase build with a narrower M tile, for user GEMMs of one wave
     out = []
     for ab in ("float16", "bfloat16"):
+        n = (("narrow", False),) if narrow else ()
         for w in wide:
             x = () if w is None else (("wide", w),)
             # user phase: fp32 partials, no addend; candidate phase: output dtype + gathered addend
-            out.append(((("ab", ab), ("c", "float32")), (("has_addend", False),) + x))
-            out.append(((("ab", ab), ("c", ab)), (("has_addend", True),) + x))
+            out.append(((("ab", ab), ("c", "float32")), (("has_addend", False),) + x + n))
+            out.append(((("ab", ab), ("c", ab)), (("has_addend", True),) + x + n))
+        if narrow:
+            x = () if wide == (None,) else (("wide", False),)
+            out.append(((("ab", ab), ("c", "float32")),
+                        (("has_addend", False),) + x + (("narrow", True),)))
     return tuple(out)
 
 
@@ -130,9 +136,9 @@ OPS: dict = {
         abi=_abi.lce_gemm_abi,
         designs=_impls("lce", "LceGemm", "Lce"),
         variants=_lce_variants(),
-        design_variants=(("sm90", _lce_variants((False, True))),),
+        design_variants=(("sm90", _lce_variants((False, True), narrow=True)),),
         make=lambda k, dt, fl, cfg: k(dt["ab"], dt["c"], fl["has_addend"], cfg,
-                                      **({"wide": fl["wide"]} if "wide" in fl else {})),
+                                      **{f: fl[f] for f in ("wide", "narrow") if f in fl}),
         doc="IKBO linear compression: batched GEMM with stride-0 weight and gathered addend",
     ),
     "ikbo_attn": OpSpec(

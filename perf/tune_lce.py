@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CONFIGS = {
     "sm90": {
         "default": {},
-        "no_rotate": {"rotate": False},
+        "ns10": {"narrow_ab_stages": 10},
     },
 }
 
@@ -31,7 +31,7 @@ def make(root: Path):
 
 
 def run(root: Path, out_dir: Path, rounds: int = 3, warmup_s: float = 10.0, reps: int = 10,
-        m=None, kc=None, wide=True, B=1024, ratio=70):
+        m=None, kc=None, wide=True, B=1024, ratio=70, narrow=(True,)):
     import torch
     from common import LCE_REF, lce_phase_functions, lce_problem, time_graph_ms, time_ms
     from cutekern.runtime import Manifest
@@ -60,9 +60,12 @@ def run(root: Path, out_dir: Path, rounds: int = 3, warmup_s: float = 10.0, reps
     for d in sorted(p for p in root.iterdir() if (p / "manifest.json").exists()):
         design = d.name.split("-")[0]
         man = Manifest(d)
-        f_user, f_cand = lce_phase_functions(man, design, M, wide=wide)
-        cfgs.append((d.name, {**f_cand.meta["config"], "flags": f_cand.meta.get("flags")},
-                     f_user, f_cand))
+        for nar in narrow:  # (True, False): the narrow user-phase build against the default
+            f_user, f_cand = lce_phase_functions(man, design, M, wide=wide, narrow=nar,
+                                                 users=u, n=N)
+            name = d.name if nar or len(narrow) == 1 else f"{d.name}+no_narrow"
+            cfgs.append((name, {**f_cand.meta["config"], "flags": f_cand.meta.get("flags"),
+                                "user_flags": f_user.meta.get("flags")}, f_user, f_cand))
     part = torch.empty(u, M, N, device="cuda")
     out = torch.empty(B, M, N, dtype=dt, device="cuda")
     times = {name: {"total": [], "graph_total": [], "user": [], "cand": []} for name, *_ in cfgs}
@@ -99,7 +102,7 @@ def run(root: Path, out_dir: Path, rounds: int = 3, warmup_s: float = 10.0, reps
                "user_ms": med["user"], "cand_ms": med["cand"],
                "cand_ms_rounds": times[name]["cand"], "useful_tflops": flops / med["total"] / 1e9}
         rows.append(row)
-        print(f"{name:28s} {fields.get('flags')} err={errs[name]:.2e} graph_total={med['graph_total']:.3f} "
+        print(f"{name:28s} {fields.get('flags')} user {fields.get('user_flags')} err={errs[name]:.2e} graph_total={med['graph_total']:.3f} "
               f"total={med['total']:.3f} user={med['user']:.3f} "
               f"cand={med['cand']:.3f} ms (rounds {' '.join(f'{t:.3f}' for t in times[name]['cand'])})"
               f"  {row['useful_tflops']:.0f} TF", flush=True)
@@ -118,10 +121,13 @@ if __name__ == "__main__":
     ap.add_argument("--m", type=int, help="problem M instead of the reference shape's 433")
     ap.add_argument("--kc", type=int, help="K_cand instead of the reference shape's 866")
     ap.add_argument("--no-wide", action="store_true", help="never the sm90 wide build")
+    ap.add_argument("--ab-narrow", action="store_true",
+                    help="time every export with and without the narrow user-phase build")
     ap.add_argument("--b", type=int, default=1024, help="candidates")
     ap.add_argument("--ratio", type=int, default=70, help="candidates per user")
     a = ap.parse_args()
     if a.make:
         make(a.make)
     else:
-        run(a.root, a.out, a.rounds, a.warmup, a.reps, a.m, a.kc, not a.no_wide, a.b, a.ratio)
+        run(a.root, a.out, a.rounds, a.warmup, a.reps, a.m, a.kc, not a.no_wide, a.b, a.ratio,
+            (True, False) if a.ab_narrow else (True,))

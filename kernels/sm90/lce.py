@@ -30,6 +30,7 @@ programmatic dependent launch (`pdl`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -80,6 +81,13 @@ class LceSm90Config:
     wide_tile_m: tile_m of the op's `wide` build, which the dispatch picks when it covers M in
         fewer tiles (M = 449: 2 x 256 instead of 224 + 224 + a 1-row tile that still loads
         a whole tile's operands).
+    narrow_tile_m: tile_m of the user phase's `narrow` build (epi_m becomes gcd(epi_m,
+        narrow_tile_m)), which the dispatch picks when the user GEMM in tiles that narrow
+        still fits in one wave of the grid. The candidate phase's epilogues wait for the whole
+        user phase (PDL), so while that is a single wave its wall time is on the critical
+        path, not its efficiency per FLOP (reference shape: 15 users, 60 tiles of 224 rows ->
+        120 tiles of 112).
+    narrow_ab_stages: ab_stages of the narrow build (0: ab_stages); its stages are smaller.
     m_tail: the last tile along problem M runs a narrower WGMMA, the smallest
         `tile_m - 8 * j` (j = 1..m_tail) that covers what is left of M (M = 433: 224 + 216
         instead of 2 x 224 rows). Only widths near tile_m: a much narrower tile is bound by its
@@ -121,6 +129,8 @@ class LceSm90Config:
     k_tail: bool = True
     rotate: bool = True
     wide_tile_m: int = 256
+    narrow_tile_m: int = 112
+    narrow_ab_stages: int = 0
     debug_no_epilogue: bool = False
     debug_no_addend: bool = False
     debug_timeline: bool = False
@@ -179,10 +189,18 @@ class LceGemmSm90:
     num_threads_per_wg = 128
 
     def __init__(self, ab_dtype, c_dtype, has_addend: bool,
-                 config: LceSm90Config = LceSm90Config(), wide: bool = False):
-        # wide: the build for M that wide_tile_m covers in fewer tiles (see LceSm90Config)
+                 config: LceSm90Config = LceSm90Config(), wide: bool = False,
+                 narrow: bool = False):
+        # wide: the build for M that wide_tile_m covers in fewer tiles; narrow: the user
+        # phase's build for a one-wave user GEMM (see LceSm90Config)
+        if wide and narrow:
+            raise ValueError("LceGemmSm90: a build is wide or narrow, not both")
         if wide:
             config = dataclasses.replace(config, tile_m=config.wide_tile_m)
+        if narrow:
+            config = dataclasses.replace(config, tile_m=config.narrow_tile_m,
+                                         epi_m=math.gcd(config.epi_m, config.narrow_tile_m),
+                                         ab_stages=config.narrow_ab_stages or config.ab_stages)
         if not LceGemmSm90.can_implement(ab_dtype, c_dtype, has_addend, config):
             raise ValueError(f"LceGemmSm90 cannot run {ab_dtype}/{c_dtype} with {config}")
         self.ab_dtype = ab_dtype
