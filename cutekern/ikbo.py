@@ -190,15 +190,20 @@ def _check_indices(cand_to_user, num_users, kv_len=None, s_max=0, op="linear_com
 
 
 def pick_lce_function(lookup, has_addend: bool, m: int, has_wide: bool,
-                      has_narrow: bool = False, batch: int = 0, n: int = 0, sms=None):
+                      has_narrow: bool = False, batch: int = 0, n: int = 0, sms=None,
+                      cand_tiles: int = 0):
     """The LCE phase kernel for M rows: ``lookup(flags)`` returns the kernel function of one
     flag set. A design with a `wide` build (sm90) runs it when its M tile covers M in fewer
-    tiles than the default build's (M = 449: 2 x 256 rather than 3 x 224 rows). A design with
-    a `narrow` user-phase build (sm90) runs that for the user phase (batch = U users of N
-    columns) when its tiles still fit in one wave of the grid (``sms``: the device's SM
-    count, else the config's num_ctas): the candidate phase waits for the whole user phase,
-    so a one-wave user GEMM is on the critical path for its wall time, which half-height
-    tiles on twice the SMs cut."""
+    tiles than the default build's (M = 449: 2 x 256 rather than 3 x 224 rows).
+
+    A design with a `narrow` user-phase build (sm90) runs that for the user phase (batch = U
+    users of N columns) when (a) its tiles still fit in one wave of the grid (``sms``: the
+    device's SM count, else the config's num_ctas) and (b) the SMs it leaves free still host
+    every candidate-phase CTA that gets one tile more than the others (``cand_tiles`` mod the
+    grid: the first CTAs of the static walk, which are also the ones that launch first, onto
+    the SMs the user phase leaves free). The candidate phase's epilogues wait for the whole
+    user phase (PDL), so a one-wave user GEMM costs its wall time, which half-height tiles on
+    twice the SMs cut; (b) keeps the CTAs with the most tiles among the early starters."""
     flags = {"has_addend": has_addend}
     if has_narrow:
         flags["narrow"] = False
@@ -214,21 +219,22 @@ def pick_lce_function(lookup, has_addend: bool, m: int, has_wide: bool,
         fn = lookup({**flags, "narrow": True, **({"wide": False} if has_wide else {})})
         cfg = fn.meta["config"]
         grid = min(int(cfg["num_ctas"]), sms or int(cfg["num_ctas"]))
-        if batch * -(-n // int(cfg["tile_n"])) * -(-m // int(cfg["narrow_tile_m"])) <= grid:
+        ctas = batch * -(-n // int(cfg["tile_n"])) * -(-m // int(cfg["narrow_tile_m"]))
+        if ctas <= grid and grid - ctas >= cand_tiles % grid:
             return fn
     return best
 
 
-def _lce_function(ab, c, has_addend, m, device, batch=0, n=0):
+def _lce_function(ab, c, has_addend, m, device, batch=0, n=0, cand_tiles=0):
     from .dispatch import env_key
-    # only the user phase's pick depends on (batch, n)
-    key = (batch, n) if not has_addend else (0, 0)
+    # only the user phase's pick depends on (batch, n, cand_tiles)
+    key = (batch, n, cand_tiles) if not has_addend else (0, 0, 0)
     return _lce_function_cached(ab, c, has_addend, m, getattr(device, "index", device), env_key(),
                                 *key)
 
 
 @functools.lru_cache(maxsize=256)
-def _lce_function_cached(ab, c, has_addend, m, device, env, batch, n):
+def _lce_function_cached(ab, c, has_addend, m, device, env, batch, n, cand_tiles):
     # cached: this sits on every eager call's host path (env: as get_function's own cache)
     from .arch import target_arch, target_design
     from .dispatch import get_function
@@ -241,7 +247,18 @@ def _lce_function_cached(ab, c, has_addend, m, device, env, batch, n):
     return pick_lce_function(
         lambda fl: get_function("lce_gemm", {"ab": ab, "c": c}, fl, device), has_addend, m,
         OPS["lce_gemm"].has_flag(design, "wide"), OPS["lce_gemm"].has_flag(design, "narrow"),
-        batch, n, sms)
+        batch, n, sms, cand_tiles)
+
+
+def _lce_tiles(fn, m, n, batch) -> int:
+    """CTA tiles of an sm90-design LCE kernel over (M, N, batch); 0 for designs without
+    those config fields (only the narrow pick, an sm90 build, reads it)."""
+    cfg = {} if fn is None else fn.meta.get("config", {})
+    wide = dict(fn.meta.get("flags", {})).get("wide", False) if fn is not None else False
+    tm = cfg.get("wide_tile_m" if wide else "tile_m")
+    if not tm or not cfg.get("tile_n"):
+        return 0
+    return batch * -(-m // int(tm)) * -(-n // int(cfg["tile_n"]))
 
 
 def _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out) -> list:
@@ -255,17 +272,18 @@ def _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out) -> list:
     ab = _DTYPES[w_cand_p.dtype]
     dev = e_cand.device
     steps = []
+    cand = None if kc == 0 else _lce_function(ab, ab, True, w_cand_p.shape[0], dev)
     if ku == 0:
         partial = torch.zeros(u, w_user_p.shape[0], n, dtype=torch.float32, device=dev)
     else:
         partial = torch.empty(u, w_user_p.shape[0], n, dtype=torch.float32, device=dev)
-        user = _lce_function(ab, "float32", False, w_user_p.shape[0], dev, u, n)
+        user = _lce_function(ab, "float32", False, w_user_p.shape[0], dev, u, n,
+                             _lce_tiles(cand, w_cand_p.shape[0], n, b))
         # d/idx are unused by this variant; pass valid tensors of the right kind
         steps.append((user, (w_user_p, e_user, partial, partial, cand_to_user)))
     if kc == 0:  # degenerate: no candidate features
         steps.append((_GatherPartials(), (partial, cand_to_user, out)))
         return steps
-    cand = _lce_function(ab, ab, True, w_cand_p.shape[0], dev)
     steps.append((cand, (w_cand_p, e_cand, out, partial, cand_to_user)))
     return steps
 

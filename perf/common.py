@@ -121,18 +121,19 @@ def write_results(op: str, cases: list, out_dir, extra: dict | None = None) -> P
 
 
 def lce_phase_functions(man, design, m, ab="float16", arch="sm_90a", wide=True, narrow=True,
-                        users=0, n=0):
+                        users=0, n=0, batch=0):
     """(user phase, candidate phase) kernels of an export for M rows, picked as the API picks
-    them (cutekern.ikbo.pick_lce_function; the user phase's pick needs users and N);
-    wide=False / narrow=False keep the default build."""
-    from cutekern.ikbo import pick_lce_function
+    them (cutekern.ikbo.pick_lce_function; the user phase's pick needs the users, N and the
+    candidates); wide=False / narrow=False keep the default build."""
+    from cutekern.ikbo import _lce_tiles, pick_lce_function
     exported = {f for e in man.data["kernels"] if e["op"] == "lce_gemm" and e["design"] == design
                 for f in ("wide", "narrow") if f in e["flags"]}
 
-    def phase(c, add):
+    def phase(c, add, cand_tiles=0):
         def lookup(fl):  # an export with wide / narrow builds keys the default one False
             fl = {**{f: False for f in exported}, **fl}
             return man.function("lce_gemm", design, arch, {"ab": ab, "c": c}, fl)
         return pick_lce_function(lookup, add, m, wide and "wide" in exported,
-                                 narrow and "narrow" in exported, users, n)
-    return phase("float32", False), phase(ab, True)
+                                 narrow and "narrow" in exported, users, n, None, cand_tiles)
+    cand = phase(ab, True)
+    return phase("float32", False, _lce_tiles(cand, m, n, batch)), cand

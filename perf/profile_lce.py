@@ -18,7 +18,7 @@ wc, wu, ec, eu, c2u = lce_problem(1024, 70, dt)
 wc, wu = pad_k(wc), pad_k(wu)
 u, (B, _, N), M = eu.shape[0], ec.shape, wc.shape[0]
 man = Manifest(root)
-f_user, f_cand = lce_phase_functions(man, design, M, users=u, n=N)
+f_user, f_cand = lce_phase_functions(man, design, M, users=u, n=N, batch=B)
 part = torch.empty(u, M, N, device="cuda")
 out = torch.empty(B, M, N, dtype=dt, device="cuda")
 for _ in range(2):

@@ -40,7 +40,7 @@ def main():
     for d in sorted(p for p in a.root.iterdir() if (p / "manifest.json").exists()):
         design = d.name.split("-")[0]
         man = Manifest(d)
-        f_user, f_cand = lce_phase_functions(man, design, M, users=u, n=N)
+        f_user, f_cand = lce_phase_functions(man, design, M, users=u, n=N, batch=B)
         # one spare user slot, never referenced by c2u: the kernel writes its marks there
         part = torch.zeros(u + 1, M, N, device="cuda")
         out = torch.empty(B, M, N, dtype=dt, device="cuda")

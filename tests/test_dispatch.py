@@ -80,3 +80,28 @@ def test_lce_wide_build_choice():
     assert pick(256)["wide"] and pick(700)["wide"] and pick(1000)["wide"]
     assert not pick(224)["wide"] and not pick(300)["wide"] and not pick(1)["wide"]
     assert pick(449, has_wide=False) == {"has_addend": True}
+
+
+def test_lce_narrow_user_build_choice():
+    """The user phase runs the sm90 narrow build (112-row tiles) when its CTAs still fit in
+    one wave and the SMs they leave free still host every candidate-phase CTA that gets an
+    extra tile (those start first); the candidate phase never runs it."""
+    from types import SimpleNamespace
+    from cutekern.ikbo import pick_lce_function
+    cfg = {"tile_m": 224, "wide_tile_m": 256, "narrow_tile_m": 112, "tile_n": 128, "num_ctas": 132}
+
+    def lookup(fl):
+        return SimpleNamespace(meta={"config": cfg, "flags": fl}, flags=fl)
+
+    def narrow(m, users, cand_tiles, add=False, sms=None, n=256):
+        return pick_lce_function(lookup, add, m, True, True, users, n, sms, cand_tiles).flags["narrow"]
+
+    assert narrow(433, 15, 1024 * 4)             # reference: 120 CTAs, 12 free >= 4 extra
+    assert not narrow(433, 15, 1024 * 4, add=True)
+    assert not narrow(433, 17, 1024 * 4)         # 136 CTAs: two waves
+    assert not narrow(433, 11, 512 * 4)          # 88 CTAs leave 44 SMs, 68 CTAs get an extra tile
+    assert narrow(433, 3, 2048 * 4)
+    assert not narrow(433, 15, 1024 * 4, sms=114)  # a smaller part: 120 CTAs do not fit
+    assert narrow(100, 1, 50 * 2)                # one tile either way, a narrower WGMMA
+    flags = pick_lce_function(lookup, False, 449, True, True, 31, 256, None, 0).flags
+    assert flags == {"has_addend": False, "narrow": False, "wide": True}  # 310 CTAs: wide pick

@@ -121,23 +121,27 @@ def test_lce_sm90_phases_overlap_through_pdl(exported):
 def test_lce_sm90_tail_tiles(exported):
     """The sm_90a LCE kernels hold one WGMMA shape per width the last M tile may run
     (kernels/sm90/lce.py, m_tail) besides the full tile's: 433 rows cost 224 + 216; the wide
-    build (flag `wide`) runs 256-wide tiles."""
+    build (flag `wide`) runs 256-wide tiles, the user phase's narrow build (flag `narrow`)
+    112-wide ones (433 = 3 x 112 + 104)."""
     from kernels.sm90.lce import LceSm90Config, _m_tail_widths
     from dataclasses import replace
     out, manifest = exported
+    want = {"wide": {256, 248, 240}, "narrow": {112, 104, 96}, None: {224, 216, 208}}
     seen = set()
     for e in manifest["kernels"]:
         if (e["op"], e["design"], e["arch"]) != ("lce_gemm", "sm90", "sm_90a"):
             continue
-        c = e["config"]
-        cfg = replace(LceSm90Config(), tile_m=c["wide_tile_m"] if e["flags"]["wide"] else c["tile_m"])
+        c, fl = e["config"], e["flags"]
+        build = "wide" if fl["wide"] else "narrow" if fl["narrow"] else None
+        assert not (build == "narrow" and fl["has_addend"]), "narrow is a user-phase build"
+        cfg = replace(LceSm90Config(), tile_m=c[f"{build}_tile_m" if build else "tile_m"])
         widths = {cfg.tile_m, *_m_tail_widths(cfg)}
-        assert widths == ({256, 248, 240} if e["flags"]["wide"] else {224, 216, 208})
+        assert widths == want[build]
         sass = (out / e["object"]).with_suffix(".sass").read_text()
         got = {int(w) for w in re.findall(r"HGMMA\.64x(\d+)x16", sass)}
         assert got == widths, f"{e['prefix']}: WGMMA widths {sorted(got)}"
-        seen.add((e["flags"]["wide"], e["flags"]["has_addend"], e["dtypes"]["ab"]))
-    assert len(seen) == len(OPS["lce_gemm"].variants_for("sm90")) == 8
+        seen.add((build, fl["has_addend"], e["dtypes"]["ab"]))
+    assert len(seen) == len(OPS["lce_gemm"].variants_for("sm90")) == 10
 
 
 def test_bgmv_sm90_expand_overlaps_shrink_through_pdl(exported):

@@ -87,7 +87,9 @@ class LceSm90Config:
         user phase (PDL), so while that is a single wave its wall time is on the critical
         path, not its efficiency per FLOP (reference shape: 15 users, 60 tiles of 224 rows ->
         120 tiles of 112).
-    narrow_ab_stages: ab_stages of the narrow build (0: ab_stages); its stages are smaller.
+    narrow_ab_stages: ab_stages of the narrow build (0: ab_stages). Its stages are 2/3 the
+        size; 10 of them (150 KB) timed ~0.5% faster than 6 at the reference shape (H200,
+        perf/results/tune_lce_h200_narrow.json).
     m_tail: the last tile along problem M runs a narrower WGMMA, the smallest
         `tile_m - 8 * j` (j = 1..m_tail) that covers what is left of M (M = 433: 224 + 216
         instead of 2 x 224 rows). Only widths near tile_m: a much narrower tile is bound by its
@@ -130,7 +132,7 @@ class LceSm90Config:
     rotate: bool = True
     wide_tile_m: int = 256
     narrow_tile_m: int = 112
-    narrow_ab_stages: int = 0
+    narrow_ab_stages: int = 10
     debug_no_epilogue: bool = False
     debug_no_addend: bool = False
     debug_timeline: bool = False
