@@ -93,16 +93,21 @@ def lce_problem(b, ratio, dtype, seed=0, M=433, N=256, K_cand=866, K_user=1178):
 
 
 def git_commit() -> str:
+    """The commit the timed kernels came from: $CUTEKERN_GIT_COMMIT, else the COMMIT file of
+    the artifacts bundle (a GPU box's copy of the repository may sit at another commit than
+    the one the bundle was exported from), else the repository's HEAD."""
     env = os.environ.get("CUTEKERN_GIT_COMMIT")
     if env:
         return env
+    bundle = os.environ.get("CUTEKERN_ARTIFACTS")
+    p = Path(bundle) / "COMMIT" if bundle else None
+    if p and p.exists():
+        return p.read_text().strip()
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
     except Exception:
-        bundle = os.environ.get("CUTEKERN_ARTIFACTS")
-        p = Path(bundle) / "COMMIT" if bundle else None
-        return p.read_text().strip() if p and p.exists() else "unknown"
+        return "unknown"
 
 
 def write_results(op: str, cases: list, out_dir, extra: dict | None = None) -> Path:

@@ -92,15 +92,39 @@ def test_edge_shapes(design, dtype, counts, m, n, kc, ku):
 # skipping subtiles past M, the walk rotated when it is narrower than 112) and of the wide
 # build (256; 240 / 248 / 256) that the dispatch picks for M it covers in fewer tiles;
 # K_cand / K_user cover the last k-tile's k16 blocks (K % 32 in {1..16}: one block,
-# {17..31, 0}: two), also K below one k-tile; >= 202 tiles, so CTAs run several
+# {17..31, 0}: two), also K below one k-tile; >= 202 tiles, so CTAs run several. With 4
+# users the user phase runs the narrow build (112; 96 / 104 / 112 wide) up to M = 512;
+# `user_build` also runs every case without it (the default or wide build's user phase).
+@pytest.fixture(params=["narrow", "no_narrow"])
+def user_build(request, design, monkeypatch):
+    import cutekern.ikbo as ikbo
+    import cutekern.registry as registry
+    if request.param == "no_narrow":
+        if design != "sm90":
+            pytest.skip("the narrow user-phase build is an sm90-design variant")
+        has = registry._has_flag
+        monkeypatch.setattr(registry, "_has_flag",
+                            lambda op, d, flag: flag != "narrow" and has(op, d, flag))
+    ikbo._lce_function_cached.cache_clear()  # the pick is cached per shape
+    yield request.param
+    ikbo._lce_function_cached.cache_clear()
+
+
 @pytest.mark.parametrize("m,kc,ku", [
     (257, 16, 17), (289, 33, 32), (432, 33, 32), (440, 48, 5), (441, 20, 64), (433, 866, 1),
     (448, 31, 15), (97, 866, 866),                                     # 224-wide build
     (449, 65, 160), (480, 8, 49), (505, 113, 31), (512, 866, 1178), (700, 97, 112),  # wide
 ])
-def test_tail_tiles(design, m, kc, ku):
+def test_tail_tiles(design, user_build, m, kc, ku):
     counts = [40, 0, 30, 31]
     args = make_problem(counts, m, 136, kc, ku, torch.bfloat16, seed=m + kc)
+    if design == "sm90":  # the user-phase build this case is meant to run
+        from cutekern.ikbo import _lce_function, _lce_tiles
+        dev = args[2].device
+        cand = _lce_function("bfloat16", "bfloat16", True, m, dev)
+        user = _lce_function("bfloat16", "float32", False, m, dev, len(counts), 136,
+                             _lce_tiles(cand, m, 136, sum(counts)))
+        assert user.meta["flags"].get("narrow") == (user_build == "narrow" and m <= 512)
     check(run_poisoned(args, torch.bfloat16), args, torch.bfloat16)
 
 
