@@ -202,8 +202,8 @@ def pick_lce_function(lookup, has_addend: bool, m: int, has_wide: bool,
     every candidate-phase CTA that gets one tile more than the others (``cand_tiles`` mod the
     grid: the first CTAs of the static walk, which are also the ones that launch first, onto
     the SMs the user phase leaves free). The candidate phase's epilogues wait for the whole
-    user phase (PDL), so a one-wave user GEMM costs its wall time, which half-height tiles on
-    twice the SMs cut; (b) keeps the CTAs with the most tiles among the early starters."""
+    user phase (PDL), so a one-wave user GEMM costs its wall time, which tiles of half the rows
+    on twice the SMs cut; (b) keeps the CTAs with the most tiles among the early starters."""
     flags = {"has_addend": has_addend}
     if has_narrow:
         flags["narrow"] = False

@@ -88,7 +88,7 @@ class LceSm90Config:
         path, not its efficiency per FLOP (reference shape: 15 users, 60 tiles of 224 rows ->
         120 tiles of 112).
     narrow_ab_stages: ab_stages of the narrow build (0: ab_stages). Its stages are 2/3 the
-        size; 10 of them (150 KB) timed ~0.5% faster than 6 at the reference shape (H200,
+        size; 10 of them (150 KB) timed ~0.4% faster than 6 at the reference shape (H200,
         perf/results/tune_lce_h200_narrow.json).
     m_tail: the last tile along problem M runs a narrower WGMMA, the smallest
         `tile_m - 8 * j` (j = 1..m_tail) that covers what is left of M (M = 433: 224 + 216
