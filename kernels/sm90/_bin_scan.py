@@ -13,6 +13,12 @@ import cutlass.cute as cute
 from kernels._scan import cta_prefix
 
 
+def routed(lo, ex, L, E):
+    """A pair is routed (live) when its adapter lo and expert ex are in range: lora -1 (and
+    any id out of range) skips it. The one predicate of every sm90 BGMV schedule."""
+    return (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)
+
+
 def _bit(b: int) -> int:
     """1 << b as an int32 constant (bit 31 is the sign bit)."""
     v = 1 << b

@@ -44,7 +44,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from kernels._mma import all_loaded, is_bf16, mma_block, words, zero_unless
-from kernels.sm90._bin_scan import run_bin, slab_ptr
+from kernels.sm90._bin_scan import routed, run_bin, slab_ptr
 
 SASS_REQUIRED = ("LDG", "STG", "HMMA", "LDGSTS", "LDGDEPBAR", "VOTE")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
@@ -283,7 +283,7 @@ class BgmvExpandSm90:
                 # that starts at the wait) and handed to the finalize through smem
                 wj = topk_w[t, j]
             ex = topk_ids[t, j]
-            live = (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)
+            live = routed(lo, ex, L, E)
             if live:
                 if cutlass.const_expr(r32 and self.finalize):
                     # wj goes to shared memory once the b loads are out (not held in a
@@ -446,7 +446,7 @@ class BgmvExpandSm90:
             j = p - t * K
             lo = lora[t]
             ex = topk_ids[t, j]
-            if not ((lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)):
+            if not routed(lo, ex, L, E):
                 for n in cutlass.range(lane, N, 32):
                     y[p, n] = cutlass.Float32(0.0)
 
@@ -647,7 +647,7 @@ class BgmvExpandSm90:
                     wv[jj] = cutlass.Float32(0.0)
                     if jj < K:
                         ex = topk_ids[t, jj]
-                        lv[jj] = cutlass.Int32((lo >= 0) & (lo < L) & (ex >= 0) & (ex < E))
+                        lv[jj] = cutlass.Int32(routed(lo, ex, L, E))
                         wv[jj] = topk_w[t, jj]
                 for jj in cutlass.range_constexpr(_MAX_K):
                     if lv[jj] != 0:

@@ -47,7 +47,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from kernels._mma import all_loaded, is_bf16, mma_block, words
-from kernels.sm90._bin_scan import run_bin, slab_ptr
+from kernels.sm90._bin_scan import routed, run_bin, slab_ptr
 
 SASS_REQUIRED = ("LDG", "HMMA", "LDGSTS", "LDGDEPBAR", "VOTE")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
@@ -253,7 +253,7 @@ class BgmvShrinkSm90:
             if pc != pg:
                 lo = lora[t]
                 ex = topk_ids[t, pc - t * K]
-            live = valid & (lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)
+            live = valid & routed(lo, ex, L, E)
             tot = cutlass.Float32(0.0)
             if live:
                 r = nt * 8 + g
@@ -380,7 +380,7 @@ class BgmvShrinkSm90:
             j = p - t * K
             lo = lora[t]
             ex = topk_ids[t, j]
-            if not ((lo >= 0) & (lo < L) & (ex >= 0) & (ex < E)):
+            if not routed(lo, ex, L, E):
                 for r in cutlass.range(R):
                     s[p, r] = self.dtype(0.0)
 

@@ -488,21 +488,16 @@ class LceGemmSm90:
                 release_state.advance()
             read_state.advance()
         ab_pipeline.consumer_wait(read_state)
-        if cutlass.const_expr(not self.cfg.k_tail):
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                kc = (None, None, kb, read_state.index)
-                cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-        else:
-            # one whole WGMMA group (committed inside) per count of k16 blocks
-            for n in cutlass.range_constexpr(1, num_k_blocks + 1):
-                if kb_last == n:
-                    for kb in cutlass.range_constexpr(n):
-                        kc = (None, None, kb, read_state.index)
-                        cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
+        # one whole WGMMA group (committed inside) per count of k16 blocks the last k-tile may
+        # issue (without cfg.k_tail, kb_last is the static num_k_blocks: one group, no branch)
+        first = 1 if cutlass.const_expr(self.cfg.k_tail) else num_k_blocks
+        for n in cutlass.range_constexpr(first, num_k_blocks + 1):
+            if kb_last == n:
+                for kb in cutlass.range_constexpr(n):
+                    kc = (None, None, kb, read_state.index)
+                    cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
         warpgroup.wait_group(1)
         if k_tile_cnt > 1:
             ab_pipeline.consumer_release(release_state)
@@ -627,7 +622,9 @@ class LceGemmSm90:
         k_tile_cnt = cute.size(gA, mode=[3])
         M_rows = mC.shape[1]
         # k16 blocks of the last k-tile that hold data below K
-        kb_last = (mA.shape[1] - (k_tile_cnt - 1) * bk + 15) // 16
+        kb_last = bk // 16
+        if cutlass.const_expr(self.cfg.k_tail):
+            kb_last = (mA.shape[1] - (k_tile_cnt - 1) * bk + 15) // 16
 
         # the last M' tile's narrower WGMMAs (cfg.m_tail): the same smem stages and
         # accumulator registers, seen w rows (B) / columns (accumulator) wide. The
