@@ -16,6 +16,7 @@ import os
 import torch
 
 from ._checks import check_rows16
+from .runtime import _raw_stream
 
 MAX_SLOTS = 8
 HIDDEN_TIERS = (8192, 16384)  # compiled variants: on-chip row buffers sized for the tier
@@ -191,7 +192,7 @@ def _oneshot_work(device):
     one while a CUDA graph is being captured (the capture then owns it)."""
     if torch.cuda.is_current_stream_capturing():
         return torch.zeros(2, dtype=torch.int32, device=device)
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    key = (device.index, _raw_stream(device))
     w = _ONESHOT_WORK.get(key)
     if w is None:
         w = _ONESHOT_WORK[key] = torch.zeros(2, dtype=torch.int32, device=device)

@@ -18,7 +18,9 @@ import os
 import torch
 
 from ._checks import check_rows16
+from .dispatch import env_key
 from .reference import pad_k
+from .runtime import _raw_stream
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -109,6 +111,8 @@ class LcePlan:
         self._steps, self.out, self._keep = steps, out, keep
 
     def run(self, stream=None):
+        if stream is None and self._steps:
+            stream = _raw_stream(self.out.device)
         for st in self._steps:
             st.launch(stream)
         return self.out
@@ -225,12 +229,12 @@ def pick_lce_function(lookup, has_addend: bool, m: int, has_wide: bool,
     return best
 
 
-def _lce_function(ab, c, has_addend, m, device, batch=0, n=0, cand_tiles=0):
+def _lce_function(ab, c, has_addend, m, device, batch=0, n=0, cand_tiles=0, env=None):
     from .dispatch import env_key
     # only the user phase's pick depends on (batch, n, cand_tiles)
     key = (batch, n, cand_tiles) if not has_addend else (0, 0, 0)
-    return _lce_function_cached(ab, c, has_addend, m, getattr(device, "index", device), env_key(),
-                                *key)
+    return _lce_function_cached(ab, c, has_addend, m, getattr(device, "index", device),
+                                env_key() if env is None else env, *key)
 
 
 @functools.lru_cache(maxsize=256)
@@ -272,13 +276,14 @@ def _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out) -> list:
     ab = _DTYPES[w_cand_p.dtype]
     dev = e_cand.device
     steps = []
-    cand = None if kc == 0 else _lce_function(ab, ab, True, w_cand_p.shape[0], dev)
+    env = env_key()  # once per call: ~1 us of os.environ lookups
+    cand = None if kc == 0 else _lce_function(ab, ab, True, w_cand_p.shape[0], dev, env=env)
     if ku == 0:
         partial = torch.zeros(u, w_user_p.shape[0], n, dtype=torch.float32, device=dev)
     else:
         partial = torch.empty(u, w_user_p.shape[0], n, dtype=torch.float32, device=dev)
         user = _lce_function(ab, "float32", False, w_user_p.shape[0], dev, u, n,
-                             _lce_tiles(cand, w_cand_p.shape[0], n, b))
+                             _lce_tiles(cand, w_cand_p.shape[0], n, b), env=env)
         # d/idx are unused by this variant; pass valid tensors of the right kind
         steps.append((user, (w_user_p, e_user, partial, partial, cand_to_user)))
     if kc == 0:  # degenerate: no candidate features
@@ -311,7 +316,7 @@ def _launch(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out, check=True):
     """Both phases. ``check=False`` only for callers that ran ``_validate``."""
     steps = _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out)
     # the stream is looked up once for both launches (host time)
-    stream = torch.cuda.current_stream(out.device).cuda_stream if steps else None
+    stream = _raw_stream(out.device) if steps else None
     for fn, args in steps:
         fn(*args, check=check, stream=stream)
     return out
