@@ -230,7 +230,6 @@ def pick_lce_function(lookup, has_addend: bool, m: int, has_wide: bool,
 
 
 def _lce_function(ab, c, has_addend, m, device, batch=0, n=0, cand_tiles=0, env=None):
-    from .dispatch import env_key
     # only the user phase's pick depends on (batch, n, cand_tiles)
     key = (batch, n, cand_tiles) if not has_addend else (0, 0, 0)
     return _lce_function_cached(ab, c, has_addend, m, getattr(device, "index", device),
