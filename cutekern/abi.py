@@ -74,32 +74,6 @@ def lce_gemm_abi(ab: str, c: str) -> tuple:
     )
 
 
-def lce_fused_abi(ab: str) -> tuple:
-    """ABI of IKBO linear compression in one launch (sm90): both GEMMs of lce_gemm_abi, the
-    user GEMM's tiles first, ready flags between them.
-
-      a, b, c, idx   as lce_gemm_abi (the candidate GEMM, c in the input dtype)
-      d    (U, M, N)  float32   written: the user GEMM's result, then read as the addend
-      a2   (M, Ka2)   ab        the user weight (columns >= K2 zero)
-      b2   (U, K2, N) ab        the user embeddings
-      sync (S,)       int32     [generation, finished CTAs, flags of U x ceil(M / user tile)
-                                x the n tiles]; zero it once, never between launches
-      num_clusters   int32     the persistent grid in clusters (<= one CTA per SM)
-    """
-    return (
-        TensorArg("a", ab, 2, align=8),
-        TensorArg("b", ab, 3, align=8),
-        TensorArg("c", ab, 3, align=8),
-        TensorArg("d", "float32", 3, align=4),
-        TensorArg("idx", "int32", 1, align=1),
-        TensorArg("a2", ab, 2, align=8),
-        TensorArg("b2", ab, 3, align=8),
-        TensorArg("sync", "int32", 1, align=1),
-        ScalarArg("num_clusters", "int32"),
-        StreamArg(),
-    )
-
-
 def ikbo_attention_abi(dtype: str) -> tuple:
     """ABI of IKBO candidate-over-user attention (one head dim per compiled variant).
 

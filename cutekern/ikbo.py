@@ -98,7 +98,7 @@ class LinearCompression:
                               device=e_cand.device)
         steps = [fn.bind(*args, check=False)
                  for fn, args in _phases(self.w_cand, self.w_user, e_cand, e_user,
-                                         cand_to_user, out, plan=True)]
+                                         cand_to_user, out)]
         return LcePlan(steps, out, (e_cand, e_user, cand_to_user))
 
 
@@ -264,47 +264,10 @@ def _lce_tiles(fn, m, n, batch) -> int:
     return batch * -(-m // int(tm)) * -(-n // int(cfg["tile_n"]))
 
 
-ENV_FUSED = "CUTEKERN_LCE_FUSED"  # "1": the one-launch sm90 build where it exists
-_FUSED_SYNC: dict = {}
-
-
-@functools.lru_cache(maxsize=64)
-def _lce_fused_cached(ab, device, env):
-    """The one-launch build of the device's design, or None where it has none."""
-    from .arch import target_arch, target_design
-    from .dispatch import get_function
-    from .registry import OPS
-    if target_design(target_arch(device)) not in OPS["lce_fused"].designs:
-        return None
-    return get_function("lce_fused", {"ab": ab}, {}, device)
-
-
-def _fused_sync(fn, u, m, n, device, plan: bool):
-    """(sync buffer, num_clusters) of a one-launch call: the generation word, the finished-CTA
-    count and one flag per user tile (kernels/sm90/lce_fused.py). Zeroed once: eager calls
-    share one per (device, stream) and grow it; a plan or a call under CUDA-graph capture
-    gets its own."""
-    cfg = fn.meta["config"]
-    cn = int(cfg["cluster_n"])
-    ntn = -(-(-(-n // int(cfg["tile_n"]))) // cn) * cn
-    need = 2 + u * -(-m // int(cfg["fused_user_tile_m"])) * ntn
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    clusters = min(int(cfg["num_ctas"]), sms) // cn
-    if plan or torch.cuda.is_current_stream_capturing():
-        return torch.zeros(need, dtype=torch.int32, device=device), clusters
-    key = (device.index, _raw_stream(device))
-    buf = _FUSED_SYNC.get(key)
-    if buf is None or buf.numel() < need:
-        buf = _FUSED_SYNC[key] = torch.zeros(max(need, 2 * (0 if buf is None else buf.numel())),
-                                             dtype=torch.int32, device=device)
-    return buf, clusters
-
-
-def _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out, plan=False) -> list:
+def _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out) -> list:
     """The call as (function, args) steps, each callable / bindable like a kernel function:
     the user phase into fp32 partials, then the candidate phase (or, for an empty K_cand,
-    a torch gather of the partials); with $CUTEKERN_LCE_FUSED=1 and a one-launch build,
-    both phases as one launch."""
+    a torch gather of the partials)."""
     b, kc, n = e_cand.shape
     u, ku, _ = e_user.shape
     if b == 0 or n == 0 or w_cand_p.shape[0] == 0:
@@ -313,14 +276,6 @@ def _phases(w_cand_p, w_user_p, e_cand, e_user, cand_to_user, out, plan=False) -
     dev = e_cand.device
     steps = []
     env = env_key()  # once per call: ~1 us of os.environ lookups
-    if kc > 0 and ku > 0 and os.environ.get(ENV_FUSED) == "1":
-        fused = _lce_fused_cached(ab, getattr(dev, "index", dev), env)
-        if fused is not None:
-            m = w_cand_p.shape[0]
-            partial = torch.empty(u, m, n, dtype=torch.float32, device=dev)
-            sync, clusters = _fused_sync(fused, u, m, n, dev, plan)
-            return [(fused, (w_cand_p, e_cand, out, partial, cand_to_user, w_user_p, e_user,
-                             sync, clusters))]
     cand = None if kc == 0 else _lce_function(ab, ab, True, w_cand_p.shape[0], dev, env=env)
     if ku == 0:
         partial = torch.zeros(u, w_user_p.shape[0], n, dtype=torch.float32, device=dev)

@@ -141,14 +141,6 @@ OPS: dict = {
                                       **{f: fl[f] for f in ("wide", "narrow") if f in fl}),
         doc="IKBO linear compression: batched GEMM with stride-0 weight and gathered addend",
     ),
-    "lce_fused": OpSpec(
-        name="lce_fused",
-        abi=_abi.lce_fused_abi,
-        designs={"sm90": DesignImpl("kernels.sm90.lce_fused", "LceFusedSm90", "LceSm90Config")},
-        variants=tuple(((("ab", ab),), ()) for ab in ("float16", "bfloat16")),
-        make=lambda k, dt, fl, cfg: k(dt["ab"], cfg),
-        doc="IKBO linear compression in one launch: user tiles, then candidate tiles, ready flags",
-    ),
     "ikbo_attn": OpSpec(
         name="ikbo_attn",
         abi=_abi.ikbo_attention_abi,

@@ -90,9 +90,6 @@ class LceSm90Config:
     narrow_ab_stages: ab_stages of the narrow build (0: ab_stages). Its stages are 2/3 the
         size; 10 of them (150 KB) timed ~0.4% faster than 6 at the reference shape (H200,
         perf/results/tune_lce_h200_narrow.json).
-    fused_user_tile_m: M rows of a user tile in the one-launch build (kernels/sm90/
-        lce_fused.py, op lce_fused): half the candidate tile, so the user tiles fill the
-        SMs the candidate tiles' last partial wave leaves.
     m_tail: the last tile along problem M runs a narrower WGMMA, the smallest
         `tile_m - 8 * j` (j = 1..m_tail) that covers what is left of M (M = 433: 224 + 216
         instead of 2 x 224 rows). Only widths near tile_m: a much narrower tile is bound by its
@@ -136,7 +133,6 @@ class LceSm90Config:
     wide_tile_m: int = 256
     narrow_tile_m: int = 112
     narrow_ab_stages: int = 10
-    fused_user_tile_m: int = 112
     debug_no_epilogue: bool = False
     debug_no_addend: bool = False
     debug_timeline: bool = False
