@@ -15,7 +15,6 @@ summation order and no atomics, so results are bitwise reproducible and batch-in
 """
 from __future__ import annotations
 
-
 import torch
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}

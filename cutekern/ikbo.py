@@ -245,8 +245,7 @@ def _lce_function_cached(ab, c, has_addend, m, device, env, batch, n, cand_tiles
     design = target_design(target_arch(device))
     sms = None  # a CPU box tracing another arch: the config's grid bound
     if torch.cuda.is_available():
-        sms = torch.cuda.get_device_properties(
-            torch.cuda.current_device() if device is None else device).multi_processor_count
+        sms = _sm_count(torch.cuda.current_device() if device is None else device)
     return pick_lce_function(
         lambda fl: get_function("lce_gemm", {"ab": ab, "c": c}, fl, device), has_addend, m,
         OPS["lce_gemm"].has_flag(design, "wide"), OPS["lce_gemm"].has_flag(design, "narrow"),

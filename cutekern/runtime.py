@@ -199,29 +199,32 @@ class _Layout:
     is the buffer's address plus the slot offsets."""
 
     def __init__(self, abi):
-        fmt, off, self.offsets = "<", 0, []
+        self.offsets = []
+        fmt, pos = "<", 0
+
+        def field(code, at, n=1):  # pad up to `at`, then n fields of one struct code
+            nonlocal fmt, pos
+            fmt += "x" * (at - pos) + code * n
+            pos = at + n * struct.calcsize("<" + code)
+
         for spec in abi:
-            off = -(-off // 8) * 8
-            self.offsets.append(off)
+            base = -(-pos // 8) * 8
+            self.offsets.append(base)
             if spec["kind"] == "tensor":
                 st, r = tensor_struct(spec["rank"]), spec["rank"]
-                pad = st.dynamic_strides.offset - (8 + 4 * r) if r > 1 else 0
-                fmt += "Q" + "i" * r + ("x" * pad + "q" * (r - 1) if r > 1 else "")
-                size = ctypes.sizeof(st)
-                fmt += "x" * (size - (8 + 4 * r + (pad + 8 * (r - 1) if r > 1 else 0)))
+                field("Q", base + st.data.offset)
+                field("i", base + st.dynamic_shapes.offset, r)
+                if r > 1:
+                    field("q", base + st.dynamic_strides.offset, r - 1)
+                field("", base + ctypes.sizeof(st))  # the struct's tail padding
             elif spec["kind"] == "scalar":
-                fmt += "i" if spec["dtype"] == "int32" else "f"
-                size = 4
-            else:  # stream
-                fmt += "Q"
-                size = 8
-            nxt = -(-(off + size) // 8) * 8
-            fmt += "x" * (nxt - off - size)
-            off = nxt
-        self.ret_offset = off
-        self.fmt = fmt + "i"
-        self.size = off + 8
-        assert struct.calcsize(self.fmt) <= self.size, (self.fmt, self.size)
+                field("i" if spec["dtype"] == "int32" else "f", base)
+            else:  # the stream handle
+                field("Q", base)
+        self.ret_offset = -(-pos // 8) * 8
+        field("i", self.ret_offset)
+        self.fmt = fmt
+        self.size = self.ret_offset + 8
 
     def buffer(self):
         """A zeroed buffer, its pointer array and the return slot."""
