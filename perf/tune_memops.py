@@ -134,7 +134,8 @@ def _bgmv(row):
         if not good:
             print(f"  WRONG bgmv T={t}", flush=True)
         ok &= good
-    for t in (1, 4, 8, 32, 256, 512, 1024, 2048):
+    ts = os.environ.get("TUNE_BGMV_T", "1,4,8,32,256,512,1024,2048")   # the timed batch sizes
+    for t in (int(v) for v in ts.split(",")):
         x, a, b, ids, w, lora = problem(t, 2688, r, 128, 6, t)
         p = prepare_bgmv_moe(x, a, b, ids, w, lora, fused=fused)
         row[f"T{t}_us"] = round(1e3 * time_graph_ms(p.run, reps=20), 2)

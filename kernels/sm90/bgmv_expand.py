@@ -106,15 +106,16 @@ class BgmvExpandSm90Config:
     bin_prefetch_min: int = 2      # pairs per bin (P / (L * E)) from which a bin's first B
                                    # stages are issued before its pair scan (0: never)
     pair_dense_items: int = 264    # pair schedule at R <= 32: from this many work items (2 CTAs
-                                   # per SM on 132 SMs: one wave) up to dense_sms *
-                                   # pair_dense_ctas_per_sm, the kernel is the R <= 32 build alone,
-                                   # one item per CTA, bounded to 3 CTAs per SM, so e.g.
-                                   # H_out=2688 at T=7..9 still runs in one wave (huge: never).
-                                   # H200 before: T=6 12.0 us, T=7 14.0 (perf/small_t_sweep.py).
-                                   # Plans only (after_shrink): the stand-alone finalize build
-                                   # spilled a register at that bound.
+                                   # per SM on 132 SMs: one wave) the kernel is the R <= 32
+                                   # build alone, one item per CTA, bounded to 3 CTAs per SM
+                                   # (plans only: the stand-alone finalize build spilled a
+                                   # register at that bound). H200 before: T=6 12.0 us, T=7 14.0
+                                   # (perf/small_t_sweep.py). It was capped at one wave (396
+                                   # items) until the A/B of perf/results/
+                                   # tune_memops_h200_bgmv_dense_all.json: more waves of 3
+                                   # CTAs per SM beat fewer of 2 too (T=16 21.6 -> 20.2 us,
+                                   # T=32 33.3 -> 30.7, T=60 51.5 -> 46.5).
     pair_dense_ctas_per_sm: int = 3
-    dense_sms: int = 132           # SMs assumed for that one wave (the H200's)
     fin_threads: int = 128         # finalize pass: 4 columns per thread
     fin_ctas_per_sm: int = 8
     pdl: bool = True
@@ -189,8 +190,7 @@ class BgmvExpandSm90:
             items = ((N + _CN - 1) // _CN) * T
             dense = cutlass.Boolean(False)
             if cutlass.const_expr(self.pdl):
-                dense = (items >= cfg.pair_dense_items) & (b.shape[3] <= _KB) \
-                    & (items <= cfg.dense_sms * cfg.pair_dense_ctas_per_sm)
+                dense = (items >= cfg.pair_dense_items) & (b.shape[3] <= _KB)
             if dense:
                 self.launch_dense(s, b, topk_ids, lora, topk_w, y, items, stream)
             else:
@@ -204,7 +204,7 @@ class BgmvExpandSm90:
     def launch_dense(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
                      lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor,
                      items: cutlass.Int32, stream: cuda.CUstream):
-        """The pair kernel's R <= 32 build, one item per CTA in one wave (plans only)."""
+        """The pair kernel's R <= 32 build, one item per CTA, 3 CTAs per SM (plans only)."""
         if cutlass.const_expr(self.pdl):
             self.kernel(s, b, topk_ids, lora, topk_w, y, True).launch(
                 grid=[items, 1, 1], block=[self.num_threads, 1, 1], stream=stream,

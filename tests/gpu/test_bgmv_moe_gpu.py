@@ -86,10 +86,12 @@ def run_plan(x, a, b, ids, w, lora, *, finalize=True, order=None, fused=None):
     (32, 8, 3072, 3072, 64, 8, 256),
     (257, 6, 2688, 2688, 32, 8, 128),
     (33, 3, 1032, 4104, 8, 1, 5),
-    # sm90 plans: the pair expand's R <= 32 build, one wave at 3 CTAs per SM (336 and 390
-    # items; 4104 = 64 * 64 + 8: a partial last column chunk)
+    # sm90 plans: the pair expand's R <= 32 build at 3 CTAs per SM, one wave (336 and 390
+    # items; 4104 = 64 * 64 + 8: a partial last column chunk) and several (1344, 3900)
     (8, 6, 2688, 2688, 32, 8, 128),
     (6, 8, 1000, 4104, 24, 2, 16),
+    (32, 6, 2688, 2688, 32, 8, 128),
+    (60, 6, 1000, 4104, 24, 2, 16),
     (5, 1, 8, 8, 8, 16, 512),
 ])
 def test_plan_matches_reference(design, dtype, t, k, h, n, r, num_l, num_e):
@@ -153,8 +155,8 @@ def test_bitwise_deterministic_over_100_runs(design, t, skew):
                                    (2688, 1032, 16)])
 def test_batch_invariance(design, finalize, h, n, r):
     """A token's outputs do not depend on which other tokens share the batch: subsets of 1..300
-    tokens (the small-T pair schedule; 8 tokens at H_out = 2688, R = 32: the sm90 plan's
-    one-wave R <= 32 build of the pair expand) against the full batch of 1024 (the
+    tokens (the small-T pair schedule; 8 and 28 tokens at H_out = 2688, R = 32: the sm90
+    plan's R <= 32 build of the pair expand, one wave and several) against the full batch of 1024 (the
     bin-grouped schedule), bit for bit. The odd shapes put partial k blocks / segments / column chunks at
     the end of H, N and R (H = 1000: a 32-element block with one live vector; R = 24); R = 16
     runs the sm90 expand's 16-element ring rows."""
