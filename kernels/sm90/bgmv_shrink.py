@@ -19,7 +19,10 @@ Pair schedule (P < bin_min_pairs: small T, latency bound). Work item = (order en
 take the segments (warp w: segments w, w + pair_warps, ...): each loads its segment's x and A
 vectors straight into registers (16-byte LDGs, all in flight together; with seg_h 384 and 8
 warps one round covers H <= 3072), runs the chain with the pair's x in every tile row, and
-leaves P_s in shared memory; 8 threads then add the partials in segment order.
+leaves P_s in shared memory; 8 threads then add the partials in segment order. From
+pair_smem_min_items items the staged build runs instead: each lane cp.asyncs the same vectors
+into shared memory and reads them back as the same fragments (61 registers instead of 125, so
+4 CTAs per SM, and a plan's expand fits beside them to start its B loads while this runs).
 
 Bin schedule (P >= bin_min_pairs, large T, bandwidth bound). Work item = one (adapter,
 expert) bin, grid-stride. The CTA collects the bin's pairs from the routing table into a
@@ -83,6 +86,14 @@ class BgmvShrinkSm90Config:
     seg_h: int = 384
     pair_warps: int = 8
     pair_ctas_per_sm: int = 2      # register bound: 2 x 8 warps resident per SM
+    # From pair_smem_min_items work items the pair schedule runs its staged build: operands
+    # by cp.async through shared memory (54 KB per CTA at seg_h 384), 61 registers, so 4 CTAs
+    # fit an SM, and a plan's expand (PDL) finds room beside them to start its B loads early.
+    # Same fragments, same chain: same bits. H200 A/B (perf/results/
+    # tune_memops_h200_bgmv_pair_smem.json, 3 rounds, plan us): T=4 10.0 -> 9.65, T=8 13.4 ->
+    # 12.3, T=12..60 within +-2%, T=1 7.5 -> 7.7 (hence the threshold; 0: never).
+    pair_smem_min_items: int = 64
+    pair_smem_ctas_per_sm: int = 4
     num_sms: int = 65536
     ctas_per_sm: int = 4
     bin_mode: bool = True          # False: always the pair schedule
@@ -154,6 +165,9 @@ class BgmvShrinkSm90:
             return False
         if c.bin_small_per_bin < 0 or c.bin_small_min_per_bin < 0:
             return False
+        if c.pair_smem_min_items > 0 and (c.pair_smem_ctas_per_sm < 1
+                                          or c.pair_warps * (c.seg_h // _KB) * 36 * 16 > _SMEM_LIMIT):
+            return False
         if c.bin_small_per_bin > 0 and not BgmvShrinkSm90.can_implement(dtype, _small_shape(c)):
             return False
         return _bin_smem_bytes(c) <= _SMEM_LIMIT
@@ -183,9 +197,17 @@ class BgmvShrinkSm90:
         else:
             items = Q * (R // 8)
             grid = cutlass.max(cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm), 1)
-            self.kernel(x, a, topk_ids, lora, order, s).launch(
-                grid=[grid, 1, 1], block=[32 * cfg.pair_warps, 1, 1], stream=stream,
-                min_blocks_per_mp=cfg.pair_ctas_per_sm, preferred_smem_carveout=25)
+            staged = cutlass.Boolean(False)
+            if cutlass.const_expr(cfg.pair_smem_min_items > 0):
+                staged = items >= cfg.pair_smem_min_items
+            if staged:
+                self.kernel(x, a, topk_ids, lora, order, s, True).launch(
+                    grid=[grid, 1, 1], block=[32 * cfg.pair_warps, 1, 1], stream=stream,
+                    min_blocks_per_mp=cfg.pair_smem_ctas_per_sm, preferred_smem_carveout=100)
+            else:
+                self.kernel(x, a, topk_ids, lora, order, s, False).launch(
+                    grid=[grid, 1, 1], block=[32 * cfg.pair_warps, 1, 1], stream=stream,
+                    min_blocks_per_mp=cfg.pair_ctas_per_sm, preferred_smem_carveout=25)
 
     @cute.jit
     def launch_bin(self, x: cute.Tensor, a: cute.Tensor, topk_ids: cute.Tensor,
@@ -201,7 +223,9 @@ class BgmvShrinkSm90:
     # ------------------------------------------------------------------ pair schedule
     @cute.kernel
     def kernel(self, x: cute.Tensor, a: cute.Tensor, topk_ids: cute.Tensor,
-               lora: cute.Tensor, order: cute.Tensor, s: cute.Tensor):
+               lora: cute.Tensor, order: cute.Tensor, s: cute.Tensor, staged: cutlass.Constexpr):
+        """staged: the build that stages each segment through shared memory
+        (_pair_seg_smem) instead of holding it in registers."""
         cfg = self.cfg
         NW = cfg.pair_warps
         SB = cfg.seg_h // _KB                   # k blocks per segment
@@ -236,6 +260,15 @@ class BgmvShrinkSm90:
         part = smem.allocate_tensor(cutlass.Float32, cute.make_layout((NW, 8), stride=(8, 1)), 16)
         vec_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
                                        num_bits_per_copy=128)
+        sA, sX, cp_atom = None, None, None
+        if cutlass.const_expr(staged):
+            # per warp: its lanes' A vectors of one segment (lane-major per k block: the
+            # reads are conflict-free) and the segment's x vectors (read as a broadcast)
+            sA = smem.allocate_tensor(self.dtype, cute.make_layout(NW * SB * 32 * _VEC), 16)
+            sX = smem.allocate_tensor(self.dtype, cute.make_layout(NW * SB * 4 * _VEC), 16)
+            cp_atom = cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
+                num_bits_per_copy=128)
 
         for w in cutlass.range(bid, items, nblk):
             qi = w // NTL
@@ -270,24 +303,29 @@ class BgmvShrinkSm90:
                         as_ = cute.make_tensor(
                             slab_ptr(a, lo, ex, _VEC) + cute.assume(r * a.stride[2] + h0, divby=_VEC),
                             cute.make_layout((_VEC, SB), stride=(1, _KB)))
-                        xf = cute.make_rmem_tensor((_VEC, SB), self.dtype)
-                        af = cute.make_rmem_tensor((_VEC, SB), self.dtype)
-                        xf.fill(0.0)
-                        af.fill(0.0)
-                        for bb in cutlass.range_constexpr(SB):
-                            if (seg * SB + bb) * 4 + q < nvec:
-                                cute.copy(vec_atom, xs[None, bb], xf[None, bb])
-                                cute.copy(vec_atom, as_[None, bb], af[None, bb])
-                        # ptxas sinks each load down to its mma (one round trip per block)
-                        # unless the first mma depends on all of them: an always-zero term
-                        hold = all_loaded([xf, af], zmask)
                         acc = cute.make_rmem_tensor((4,), cutlass.Float32)
                         acc.fill(0.0)
-                        for bb in cutlass.range_constexpr(SB):
-                            xw = words(xf[None, bb])
-                            if cutlass.const_expr(bb == 0):
-                                xw[0] = xw[0] | hold
-                            mma_block(xw, xw, words(af[None, bb]), acc, self.bf16)
+                        if cutlass.const_expr(staged):
+                            self._pair_seg_smem(xs, as_, sA, sX, acc, seg, nvec, warp, lane,
+                                                g, q, cp_atom)
+                        else:
+                            xf = cute.make_rmem_tensor((_VEC, SB), self.dtype)
+                            af = cute.make_rmem_tensor((_VEC, SB), self.dtype)
+                            xf.fill(0.0)
+                            af.fill(0.0)
+                            for bb in cutlass.range_constexpr(SB):
+                                if (seg * SB + bb) * 4 + q < nvec:
+                                    cute.copy(vec_atom, xs[None, bb], xf[None, bb])
+                                    cute.copy(vec_atom, as_[None, bb], af[None, bb])
+                            # ptxas sinks each load down to its mma (one round trip per
+                            # block) unless the first mma depends on all of them: an
+                            # always-zero term
+                            hold = all_loaded([xf, af], zmask)
+                            for bb in cutlass.range_constexpr(SB):
+                                xw = words(xf[None, bb])
+                                if cutlass.const_expr(bb == 0):
+                                    xw[0] = xw[0] | hold
+                                mma_block(xw, xw, words(af[None, bb]), acc, self.bf16)
                         if g == 0:
                             part[warp, 2 * q] = acc[0]
                             part[warp, 2 * q + 1] = acc[1]
@@ -299,6 +337,39 @@ class BgmvShrinkSm90:
                     cute.arch.sync_threads()
             if valid & (tidx < 8):
                 s[pc, nt * 8 + tidx] = tot.to(self.dtype)   # 0 for a skipped pair
+
+    @cute.jit
+    def _pair_seg_smem(self, xs: cute.Tensor, as_: cute.Tensor, sA: cute.Tensor,
+                       sX: cute.Tensor, acc: cute.Tensor, seg: cutlass.Int32,
+                       nvec: cutlass.Int32, warp: cutlass.Int32, lane: cutlass.Int32,
+                       g: cutlass.Int32, q: cutlass.Int32, cp_atom):
+        """One segment of the pair schedule staged through shared memory (staged build): the
+        lane's A vectors and (lanes g == 0) the x vectors by cp.async, then the same mma
+        chain on the same fragments as the register build (vectors past H are zeros).
+        No operand registers are held across the loads, so 4 CTAs fit an SM instead of 2."""
+        SB = self.cfg.seg_h // _KB
+        va = warp * (SB * 32) + lane
+        vx = warp * (SB * 4) + q
+        for bb in cutlass.range_constexpr(SB):
+            if (seg * SB + bb) * 4 + q < nvec:
+                cute.copy(cp_atom, as_[None, bb], cute.local_tile(sA, (_VEC,), (va + 32 * bb,)))
+                if g == 0:
+                    cute.copy(cp_atom, xs[None, bb], cute.local_tile(sX, (_VEC,), (vx + 4 * bb,)))
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_warp()      # the x vectors come from the lanes g == 0
+        for bb in cutlass.range_constexpr(SB):
+            xf = cute.make_rmem_tensor((_VEC,), self.dtype)
+            af = cute.make_rmem_tensor((_VEC,), self.dtype)
+            xf.fill(0.0)
+            af.fill(0.0)
+            if (seg * SB + bb) * 4 + q < nvec:
+                cute.autovec_copy(cute.local_tile(sX, (_VEC,), (vx + 4 * bb,)), xf)
+                cute.autovec_copy(cute.local_tile(sA, (_VEC,), (va + 32 * bb,)), af)
+            xw = words(xf)
+            mma_block(xw, xw, words(af), acc, self.bf16)
+        # the next round's copies overwrite this warp's vectors: every lane has read them
+        cute.arch.sync_warp()
 
     # ================================================================== bin schedule
     @cute.kernel
