@@ -20,9 +20,10 @@ take the segments (warp w: segments w, w + pair_warps, ...): each loads its segm
 vectors straight into registers (16-byte LDGs, all in flight together; with seg_h 384 and 8
 warps one round covers H <= 3072), runs the chain with the pair's x in every tile row, and
 leaves P_s in shared memory; 8 threads then add the partials in segment order. From
-pair_smem_min_items items the staged build runs instead: each lane cp.asyncs the same vectors
-into shared memory and reads them back as the same fragments (61 registers instead of 125, so
-4 CTAs per SM, and a plan's expand fits beside them to start its B loads while this runs).
+pair_smem_min_items items at rank <= 32 the staged build runs instead: each lane cp.asyncs
+the same vectors into shared memory and reads them back as the same fragments (61 registers
+instead of 125, so 4 CTAs per SM, and a plan's expand fits beside them to start its B loads
+while this runs).
 
 Bin schedule (P >= bin_min_pairs, large T, bandwidth bound). Work item = one (adapter,
 expert) bin, grid-stride. The CTA collects the bin's pairs from the routing table into a
@@ -91,7 +92,10 @@ class BgmvShrinkSm90Config:
     # fit an SM, and a plan's expand (PDL) finds room beside them to start its B loads early.
     # Same fragments, same chain: same bits. H200 A/B (perf/results/
     # tune_memops_h200_bgmv_pair_smem.json, 3 rounds, plan us): T=4 10.0 -> 9.65, T=8 13.4 ->
-    # 12.3, T=12..60 within +-2%, T=1 7.5 -> 7.7 (hence the threshold; 0: never).
+    # 12.3, T=12..60 within +-2%, T=1 7.5 -> 7.7 (hence the threshold; 0: never). Rank <= 32
+    # only: at rank 64 (whose plan expand is not the 3-per-SM build) the benchmark ran 5-10%
+    # slower with it (perf/results/bgmv_moe_h200_d6b9f5e.json: T=4 13.4 -> 14.4 us, T=32 49.2
+    # -> 54.3).
     pair_smem_min_items: int = 64
     pair_smem_ctas_per_sm: int = 4
     num_sms: int = 65536
@@ -199,7 +203,7 @@ class BgmvShrinkSm90:
             grid = cutlass.max(cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm), 1)
             staged = cutlass.Boolean(False)
             if cutlass.const_expr(cfg.pair_smem_min_items > 0):
-                staged = items >= cfg.pair_smem_min_items
+                staged = (items >= cfg.pair_smem_min_items) & (R <= _KB)
             if staged:
                 self.kernel(x, a, topk_ids, lora, order, s, True).launch(
                     grid=[grid, 1, 1], block=[32 * cfg.pair_warps, 1, 1], stream=stream,
