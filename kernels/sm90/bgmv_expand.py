@@ -19,6 +19,9 @@ pair's s in every tile row; lane (g, q) keeps n-tile g, i.e. columns 8g + 2q, 8g
   finalize=False: warp j writes its y row directly.
   finalize=True : the k partial rows go to shared memory; after a CTA barrier one owner
   thread per column sums them in the fixed order j = 0, 1, ..., k-1 and writes y.
+A plan's pair expand (after_shrink) at R <= 32 runs one item per CTA from one wave of items
+up, 3 CTAs per SM; beyond one such wave the lanes cp.async the same b vectors into shared
+memory and read them back as the same fragments (4 CTAs per SM). Same chains, same bits.
 
 Bin schedule (P >= bin_min_pairs: large T, bandwidth). Work item = one (adapter, expert) bin
 (grid stride over L * E). The CTA collects the bin's pairs from the routing table into a
@@ -116,6 +119,15 @@ class BgmvExpandSm90Config:
                                    # CTAs per SM beat fewer of 2 too (T=16 21.6 -> 20.2 us,
                                    # T=32 33.3 -> 30.7, T=60 51.5 -> 46.5).
     pair_dense_ctas_per_sm: int = 3
+    # Above pair_staged_min_items items (one wave of the build above on 132 SMs) the R <= 32
+    # build stages each warp's B vectors through shared memory by cp.async (4 KB per warp)
+    # instead of holding them in registers: 55-61 registers, 4 CTAs per SM (5 spill). Same
+    # fragments, same bits. H200 A/B (perf/results/tune_memops_h200_bgmv_staged_expand.json,
+    # 3 rounds, plan us, staged at every count from 264): T=12 18.0 -> 16.0-16.6, T=24 27.2 ->
+    # 26.0, T=32 31.5 -> 30.3, T=48 40.8 -> 38.5, but T=8 (336 items, one wave either way)
+    # 12.45 -> 13.8, hence the threshold (0: never).
+    pair_staged_min_items: int = 396
+    pair_staged_ctas_per_sm: int = 4
     fin_threads: int = 128         # finalize pass: 4 columns per thread
     fin_ctas_per_sm: int = 8
     pdl: bool = True
@@ -196,7 +208,7 @@ class BgmvExpandSm90:
             else:
                 grid = cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm)
                 grid = cutlass.max(grid, 1)
-                self.kernel(s, b, topk_ids, lora, topk_w, y, False).launch(
+                self.kernel(s, b, topk_ids, lora, topk_w, y, False, False).launch(
                     grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
                     use_pdl=self.pdl)
 
@@ -204,18 +216,30 @@ class BgmvExpandSm90:
     def launch_dense(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
                      lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor,
                      items: cutlass.Int32, stream: cuda.CUstream):
-        """The pair kernel's R <= 32 build, one item per CTA, 3 CTAs per SM (plans only)."""
+        """The pair kernel's R <= 32 build, one item per CTA (plans only): 3 CTAs per SM, or
+        staged through shared memory at 4 per SM above pair_staged_min_items items."""
         if cutlass.const_expr(self.pdl):
-            self.kernel(s, b, topk_ids, lora, topk_w, y, True).launch(
-                grid=[items, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
-                min_blocks_per_mp=self.cfg.pair_dense_ctas_per_sm, preferred_smem_carveout=25,
-                use_pdl=True)
+            staged = cutlass.Boolean(False)
+            if cutlass.const_expr(self.cfg.pair_staged_min_items > 0):
+                staged = items > self.cfg.pair_staged_min_items
+            if staged:
+                self.kernel(s, b, topk_ids, lora, topk_w, y, True, True).launch(
+                    grid=[items, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+                    min_blocks_per_mp=self.cfg.pair_staged_ctas_per_sm,
+                    preferred_smem_carveout=100, use_pdl=True)
+            else:
+                self.kernel(s, b, topk_ids, lora, topk_w, y, True, False).launch(
+                    grid=[items, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+                    min_blocks_per_mp=self.cfg.pair_dense_ctas_per_sm,
+                    preferred_smem_carveout=25, use_pdl=True)
 
     # ------------------------------------------------------------------ pair schedule
     @cute.kernel
     def kernel(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
-               lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor, r32: cutlass.Constexpr):
-        """r32: the build for R <= 32 only (launched with pair_dense_ctas_per_sm)."""
+               lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor, r32: cutlass.Constexpr,
+               staged: cutlass.Constexpr):
+        """r32: the build for R <= 32 only (launched with pair_dense_ctas_per_sm); staged
+        (r32 only): its B vectors go through shared memory (pair_staged_min_items)."""
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
@@ -225,8 +249,9 @@ class BgmvExpandSm90:
         N = b.shape[2]
         items = (N + _CN - 1) // _CN * T
 
-        if cutlass.const_expr(self.finalize):
+        if cutlass.const_expr(self.finalize or staged):
             smem = cutlass.utils.SmemAllocator()
+        if cutlass.const_expr(self.finalize):
             sd = smem.allocate_tensor(cutlass.Float32,
                                       cute.make_layout((_CN, _MAX_K), stride=(1, _CN)), 16)
             slive = smem.allocate_tensor(cutlass.Int32, cute.make_layout((_MAX_K,)), 16)
@@ -234,11 +259,16 @@ class BgmvExpandSm90:
 
         if cutlass.const_expr(not self.finalize):
             sd, slive, sw = None, None, None
+        sBw = None
+        if cutlass.const_expr(staged):
+            sB = smem.allocate_tensor(self.dtype, cute.make_layout(_MAX_K * 8 * 32 * _VEC), 16)
+            # this warp's 8 x 32 vectors (lane-major per n-tile: conflict-free reads)
+            sBw = cute.local_tile(sB, (8 * 32 * _VEC,), (warp,))
         if cutlass.const_expr(r32):
             # one item per CTA (the launch covers every item): no loop-carried registers
             if bid < items:
                 self._pair_item(bid, s, b, topk_ids, lora, topk_w, y, sd, slive, sw, tidx,
-                                warp, lane, r32)
+                                warp, lane, r32, sBw)
         else:
             for w in cutlass.range(bid, items, nblk):
                 self._pair_item(w, s, b, topk_ids, lora, topk_w, y, sd, slive, sw, tidx,
@@ -248,7 +278,7 @@ class BgmvExpandSm90:
     def _pair_item(self, w: cutlass.Int32, s: cute.Tensor, b: cute.Tensor,
                    topk_ids: cute.Tensor, lora: cute.Tensor, topk_w: cute.Tensor,
                    y: cute.Tensor, sd, slive, sw, tidx: cutlass.Int32, warp: cutlass.Int32,
-                   lane: cutlass.Int32, r32: cutlass.Constexpr):
+                   lane: cutlass.Int32, r32: cutlass.Constexpr, sBw=None):
         """Work item w = (column chunk, token) of the pair schedule."""
         g = lane >> 2
         q = lane & 3
@@ -289,10 +319,10 @@ class BgmvExpandSm90:
                     # wj goes to shared memory once the b loads are out (not held in a
                     # register under them: at 80 registers it spilled)
                     self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
-                                    zmask, 1, lambda: self._put_w(sw, j, wj, lane), b)
+                                    zmask, 1, lambda: self._put_w(sw, j, wj, lane), b, sBw, lane)
                 elif cutlass.const_expr(r32):
                     self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
-                                    zmask, 1, None, b)
+                                    zmask, 1, None, b, sBw, lane)
                 elif R > _KB:
                     self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
                                     zmask, 2)
@@ -334,7 +364,7 @@ class BgmvExpandSm90:
     def _pair_dots(self, sv, bv, vec_atom, d: cute.Tensor, p: cutlass.Int32, lo: cutlass.Int32,
                    ex: cutlass.Int32, n0: cutlass.Int32, N: cutlass.Int32, nrv: cutlass.Int32,
                    g: cutlass.Int32, q: cutlass.Int32, zmask: cutlass.Int32,
-                   NB: cutlass.Constexpr, after_b=None, b=None):
+                   NB: cutlass.Constexpr, after_b=None, b=None, sBw=None, lane=None):
         """d = the chains of n-tile g of the chunk for pair p (NB k blocks of R). after_b:
         called once the b loads are issued. b (NB = 1 only): rows addressed from the slab's
         base pointer with 32-bit offsets, rows past N not loaded (zeros; same products):
@@ -343,7 +373,21 @@ class BgmvExpandSm90:
         sf = cute.make_rmem_tensor((_VEC, NB), self.dtype)
         # every load of the pair first: b (an input) before the wait for the shrink that
         # writes s (self.pdl; a no-op once that kernel is done)
-        if cutlass.const_expr(b is not None):
+        if cutlass.const_expr(sBw is not None):
+            # staged: cp.async the same vectors to this lane's slots; read back below
+            cp_atom = cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
+                num_bits_per_copy=128)
+            s_n = cutlass.Int32(b.stride[2])
+            base = slab_ptr(b, lo, ex, _VEC) + cute.assume(
+                (n0 + g) * s_n + cutlass.min(q, nrv - 1) * _VEC, divby=_VEC)
+            for i in cutlass.range_constexpr(8):
+                if n0 + 8 * i + g < N:
+                    src = cute.make_tensor(base + cute.assume(8 * i * s_n, divby=_VEC),
+                                           cute.make_layout(_VEC))
+                    cute.copy(cp_atom, src, cute.local_tile(sBw, (_VEC,), (32 * i + lane,)))
+            cute.arch.cp_async_commit_group()
+        elif cutlass.const_expr(b is not None):
             bf.fill(0.0)
             s_n = cutlass.Int32(b.stride[2])
             base = slab_ptr(b, lo, ex, _VEC) + cute.assume(
@@ -366,17 +410,26 @@ class BgmvExpandSm90:
         for kb in cutlass.range_constexpr(NB):
             v = cutlass.min(4 * kb + q, nrv - 1)
             cute.copy(vec_atom, sv[(None, (p, v))], sf[None, kb])
+        if cutlass.const_expr(sBw is not None):
+            cute.arch.cp_async_wait_group(0)
         # all loads in flight before the first mma (see kernels/_mma.py: all_loaded)
-        hold = all_loaded([bf, sf], zmask)
+        hold = all_loaded([sf] if sBw is not None else [bf, sf], zmask)
         for i in cutlass.range_constexpr(8):
             acc = cute.make_rmem_tensor((4,), cutlass.Float32)
             acc.fill(0.0)
+            if cutlass.const_expr(sBw is not None):
+                # (NB == 1) this n-tile's vector from the lane's slot: the same words
+                bi = cute.make_rmem_tensor((_VEC,), self.dtype)
+                bi.fill(0.0)
+                if n0 + 8 * i + g < N:
+                    cute.autovec_copy(cute.local_tile(sBw, (_VEC,), (32 * i + lane,)), bi)
             for kb in cutlass.range_constexpr(NB):
                 ok = 4 * kb + q < nrv
                 sw_ = zero_unless(words(sf[None, kb]), ok)
                 if cutlass.const_expr(i == 0 and kb == 0):
                     sw_[0] = sw_[0] | hold
-                mma_block(sw_, sw_, zero_unless(words(bf[None, kb, i]), ok), acc, self.bf16)
+                bw = words(bi) if sBw is not None else words(bf[None, kb, i])
+                mma_block(sw_, sw_, zero_unless(bw, ok), acc, self.bf16)
             if g == i:
                 d[0] = acc[0]
                 d[1] = acc[1]
