@@ -20,8 +20,8 @@ pair's s in every tile row; lane (g, q) keeps n-tile g, i.e. columns 8g + 2q, 8g
   finalize=True : the k partial rows go to shared memory; after a CTA barrier one owner
   thread per column sums them in the fixed order j = 0, 1, ..., k-1 and writes y.
 A plan's pair expand (after_shrink) at R <= 32 runs one item per CTA from one wave of items
-up, 3 CTAs per SM; beyond one such wave the lanes cp.async the same b vectors into shared
-memory and read them back as the same fragments (4 CTAs per SM). Same chains, same bits.
+up, 3 CTAs per SM; beyond one such wave at R = 32 the lanes cp.async the same b vectors into
+shared memory and read them back as the same fragments (4 CTAs per SM). Same chains, same bits.
 
 Bin schedule (P >= bin_min_pairs: large T, bandwidth). Work item = one (adapter, expert) bin
 (grid stride over L * E). The CTA collects the bin's pairs from the routing table into a
@@ -125,7 +125,9 @@ class BgmvExpandSm90Config:
     # fragments, same bits. H200 A/B (perf/results/tune_memops_h200_bgmv_staged_expand.json,
     # 3 rounds, plan us, staged at every count from 264): T=12 18.0 -> 16.0-16.6, T=24 27.2 ->
     # 26.0, T=32 31.5 -> 30.3, T=48 40.8 -> 38.5, but T=8 (336 items, one wave either way)
-    # 12.45 -> 13.8, hence the threshold (0: never).
+    # 12.45 -> 13.8, hence the threshold (0: never). Rank 32 only (four distinct vectors per
+    # row; at rank 16 two lanes of four load copies): rank 16 ran 10-19% slower staged (T=32
+    # 21.1 -> 24.9 us, T=60 32.1 -> 38.2, same file).
     pair_staged_min_items: int = 396
     pair_staged_ctas_per_sm: int = 4
     fin_threads: int = 128         # finalize pass: 4 columns per thread
@@ -221,7 +223,7 @@ class BgmvExpandSm90:
         if cutlass.const_expr(self.pdl):
             staged = cutlass.Boolean(False)
             if cutlass.const_expr(self.cfg.pair_staged_min_items > 0):
-                staged = items > self.cfg.pair_staged_min_items
+                staged = (items > self.cfg.pair_staged_min_items) & (b.shape[3] == _KB)
             if staged:
                 self.kernel(s, b, topk_ids, lora, topk_w, y, True, True).launch(
                     grid=[items, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
