@@ -130,11 +130,6 @@ class BgmvExpandSm90Config:
     # 21.1 -> 24.9 us, T=60 32.1 -> 38.2, same file).
     pair_staged_min_items: int = 396
     pair_staged_ctas_per_sm: int = 4
-    # > 0: the staged build is persistent instead: this many CTAs (pair_persist_ctas_per_sm
-    # per SM), each walking items bid, bid + grid, ... with two b slots, so the next item's
-    # routing and b loads are in flight while it computes the current one
-    pair_persist_ctas: int = 0
-    pair_persist_ctas_per_sm: int = 3
     fin_threads: int = 128         # finalize pass: 4 columns per thread
     fin_ctas_per_sm: int = 8
     pdl: bool = True
@@ -230,17 +225,10 @@ class BgmvExpandSm90:
             if cutlass.const_expr(self.cfg.pair_staged_min_items > 0):
                 staged = (items > self.cfg.pair_staged_min_items) & (b.shape[3] == _KB)
             if staged:
-                if cutlass.const_expr(self.cfg.pair_persist_ctas > 0):
-                    self.kernel(s, b, topk_ids, lora, topk_w, y, True, True).launch(
-                        grid=[cutlass.min(items, self.cfg.pair_persist_ctas), 1, 1],
-                        block=[self.num_threads, 1, 1], stream=stream,
-                        min_blocks_per_mp=self.cfg.pair_persist_ctas_per_sm,
-                        preferred_smem_carveout=100, use_pdl=True)
-                else:
-                    self.kernel(s, b, topk_ids, lora, topk_w, y, True, True).launch(
-                        grid=[items, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
-                        min_blocks_per_mp=self.cfg.pair_staged_ctas_per_sm,
-                        preferred_smem_carveout=100, use_pdl=True)
+                self.kernel(s, b, topk_ids, lora, topk_w, y, True, True).launch(
+                    grid=[items, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+                    min_blocks_per_mp=self.cfg.pair_staged_ctas_per_sm,
+                    preferred_smem_carveout=100, use_pdl=True)
             else:
                 self.kernel(s, b, topk_ids, lora, topk_w, y, True, False).launch(
                     grid=[items, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
@@ -274,17 +262,11 @@ class BgmvExpandSm90:
         if cutlass.const_expr(not self.finalize):
             sd, slive, sw = None, None, None
         sBw = None
-        persist = staged and self.cfg.pair_persist_ctas > 0
         if cutlass.const_expr(staged):
-            nslot = 2 if persist else 1
-            sB = smem.allocate_tensor(self.dtype,
-                                      cute.make_layout(nslot * _MAX_K * 8 * 32 * _VEC), 16)
+            sB = smem.allocate_tensor(self.dtype, cute.make_layout(_MAX_K * 8 * 32 * _VEC), 16)
             # this warp's 8 x 32 vectors (lane-major per n-tile: conflict-free reads)
             sBw = cute.local_tile(sB, (8 * 32 * _VEC,), (warp,))
-        if cutlass.const_expr(persist):
-            self._pair_persistent(s, b, topk_ids, lora, topk_w, y, sd, slive, sw, sB, tidx,
-                                  warp, lane, bid, nblk, items)
-        elif cutlass.const_expr(r32):
+        if cutlass.const_expr(r32):
             # one item per CTA (the launch covers every item): no loop-carried registers
             if bid < items:
                 self._pair_item(bid, s, b, topk_ids, lora, topk_w, y, sd, slive, sw, tidx,
@@ -373,136 +355,6 @@ class BgmvExpandSm90:
             if (j < K) & (n < N):     # (n even, N % 8 == 0: n + 1 < N too)
                 cute.copy(st_atom, d, _pair_at(y, p, n))
 
-
-    @cute.jit
-    def _route(self, w, topk_ids: cute.Tensor, lora: cute.Tensor, topk_w: cute.Tensor, items,
-               j: cutlass.Int32, T, K, L, E):
-        """(adapter, expert, live, routing weight) of slot j of item w (dead past the items)."""
-        lo = cutlass.Int32(-1)
-        ex = cutlass.Int32(-1)
-        wj = cutlass.Float32(0.0)
-        live = cutlass.Boolean(False)
-        if (w < items) & (j < K):
-            t = w - (w // T) * T
-            lo = lora[t]
-            ex = topk_ids[t, j]
-            if cutlass.const_expr(self.finalize):
-                wj = topk_w[t, j]
-            live = routed(lo, ex, L, E)
-        return lo, ex, live, wj
-
-    @cute.jit
-    def _stage_b(self, b: cute.Tensor, w, T, lo, ex, live, g, q, lane, nrv, N, sBs, cp_atom):
-        """cp.async this lane's 8 b vectors of item w (pair of this warp) into slot sBs."""
-        if live:
-            n0 = (w // T) * _CN
-            s_n = cutlass.Int32(b.stride[2])
-            base = slab_ptr(b, lo, ex, _VEC) + cute.assume(
-                (n0 + g) * s_n + cutlass.min(q, nrv - 1) * _VEC, divby=_VEC)
-            for i in cutlass.range_constexpr(8):
-                if n0 + 8 * i + g < N:
-                    src = cute.make_tensor(base + cute.assume(8 * i * s_n, divby=_VEC),
-                                           cute.make_layout(_VEC))
-                    cute.copy(cp_atom, src, cute.local_tile(sBs, (_VEC,), (32 * i + lane,)))
-
-    @cute.jit
-    def _pair_persistent(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
-                         lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor, sd, slive,
-                         sw, sB: cute.Tensor, tidx, warp, lane, bid, nblk, items):
-        """The staged R = 32 build as a persistent walk over items bid, bid + grid, ...:
-        item i + 1's b vectors load into the other slot (its routing one item earlier)
-        while item i's chains run. Same fragments and chains as _pair_dots: same bits."""
-        g = lane >> 2
-        q = lane & 3
-        T = lora.shape[0]
-        K = topk_ids.shape[1]
-        L = b.shape[0]
-        E = b.shape[1]
-        N = b.shape[2]
-        nrv = b.shape[3] // _VEC
-        j = warp
-        zmask = cutlass.Int32(N) >> 30
-        vec_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                       num_bits_per_copy=128)
-        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
-                                      num_bits_per_copy=64)
-        cp_atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
-            num_bits_per_copy=128)
-        sv = cute.zipped_divide(s, (1, _VEC))
-        WV = _MAX_K * 8 * 32 * _VEC              # elements per slot
-        slot0 = cute.local_tile(cute.local_tile(sB, (WV,), (0,)), (8 * 32 * _VEC,), (warp,))
-        slot1 = cute.local_tile(cute.local_tile(sB, (WV,), (1,)), (8 * 32 * _VEC,), (warp,))
-
-        lo, ex, live, wj = self._route(bid, topk_ids, lora, topk_w, items, j, T, K, L, E)
-        self._stage_b(b, bid, T, lo, ex, live, g, q, lane, nrv, N, slot0, cp_atom)
-        cute.arch.cp_async_commit_group()
-        lo1, ex1, live1, wj1 = self._route(bid + nblk, topk_ids, lora, topk_w, items, j,
-                                           T, K, L, E)
-        par = cutlass.Int32(0)
-        for w in cutlass.range(bid, items, nblk):
-            # the next item's b into the other slot, the one after that's routing
-            if par == 0:
-                self._stage_b(b, w + nblk, T, lo1, ex1, live1, g, q, lane, nrv, N, slot1,
-                              cp_atom)
-            else:
-                self._stage_b(b, w + nblk, T, lo1, ex1, live1, g, q, lane, nrv, N, slot0,
-                              cp_atom)
-            cute.arch.cp_async_commit_group()
-            lo2, ex2, live2, wj2 = self._route(w + 2 * nblk, topk_ids, lora, topk_w, items,
-                                               j, T, K, L, E)
-            c = w // T
-            t = w - c * T
-            n0 = c * _CN
-            p = t * K + j
-            d = cute.make_rmem_tensor((2,), cutlass.Float32)
-            d.fill(0.0)
-            cute.arch.cp_async_wait_group(1)     # this item's group (the next may fly)
-            cute.arch.griddepcontrol_wait()      # s comes from the shrink (PDL)
-            if live:
-                sf = cute.make_rmem_tensor((_VEC,), self.dtype)
-                cute.copy(vec_atom, sv[(None, (p, cutlass.min(q, nrv - 1)))], sf)
-                hold = all_loaded([sf], zmask)
-                ok = q < nrv
-                sw_ = zero_unless(words(sf), ok)
-                sw_[0] = sw_[0] | hold
-                for i in cutlass.range_constexpr(8):
-                    acc = cute.make_rmem_tensor((4,), cutlass.Float32)
-                    acc.fill(0.0)
-                    bi = cute.make_rmem_tensor((_VEC,), self.dtype)
-                    bi.fill(0.0)
-                    if n0 + 8 * i + g < N:
-                        if par == 0:
-                            cute.autovec_copy(cute.local_tile(slot0, (_VEC,), (32 * i + lane,)), bi)
-                        else:
-                            cute.autovec_copy(cute.local_tile(slot1, (_VEC,), (32 * i + lane,)), bi)
-                    mma_block(sw_, sw_, zero_unless(words(bi), ok), acc, self.bf16)
-                    if g == i:
-                        d[0] = acc[0]
-                        d[1] = acc[1]
-            if cutlass.const_expr(self.finalize):
-                for e2 in cutlass.range_constexpr(2):
-                    sd[8 * g + 2 * q + e2, j] = d[e2]
-                if lane == 0:
-                    slive[j] = cutlass.Int32(live)
-                    sw[j] = wj
-                cute.arch.sync_threads()
-                if tidx < _CN:
-                    n = n0 + tidx
-                    out = cutlass.Float32(0.0)
-                    for jj in cutlass.range(K):
-                        if slive[jj] != 0:
-                            out = out + sw[jj] * sd[tidx, jj]
-                    if n < N:
-                        y[t, n] = out
-                cute.arch.sync_threads()
-            else:
-                n = n0 + 8 * g + 2 * q
-                if (j < K) & (n < N):
-                    cute.copy(st_atom, d, _pair_at(y, p, n))
-            lo, ex, live, wj = lo1, ex1, live1, wj1
-            lo1, ex1, live1, wj1 = lo2, ex2, live2, wj2
-            par = 1 - par
 
     @cute.jit
     def _put_w(self, sw: cute.Tensor, j: cutlass.Int32, wj: cutlass.Float32,
