@@ -21,7 +21,8 @@ pair's s in every tile row; lane (g, q) keeps n-tile g, i.e. columns 8g + 2q, 8g
   thread per column sums them in the fixed order j = 0, 1, ..., k-1 and writes y.
 A plan's pair expand (after_shrink) at R <= 32 runs one item per CTA from one wave of items
 up, 3 CTAs per SM; beyond one such wave at R = 32 the lanes cp.async the same b vectors into
-shared memory and read them back as the same fragments (4 CTAs per SM). Same chains, same bits.
+shared memory and read them back as the same fragments (4 CTAs per SM); at R = 33..64 the
+same staging (two k blocks) from one wave of items (2 CTAs per SM). Same chains, same bits.
 
 Bin schedule (P >= bin_min_pairs: large T, bandwidth). Work item = one (adapter, expert) bin
 (grid stride over L * E). The CTA collects the bin's pairs from the routing table into a
@@ -130,6 +131,12 @@ class BgmvExpandSm90Config:
     # 21.1 -> 24.9 us, T=60 32.1 -> 38.2, same file).
     pair_staged_min_items: int = 396
     pair_staged_ctas_per_sm: int = 4
+    # rank 33..64: from this many items (0: never) a plan's pair expand runs a staged build
+    # too (two k blocks: 8 KB of b per warp), one item per CTA, at most 2 CTAs per SM (84
+    # registers: 3 per SM spill), beside the shrink's staged CTAs (BgmvShrinkSm90Config
+    # .pair_smem_wide_min_items has the A/B).
+    pair_staged64_min_items: int = 264
+    pair_staged64_ctas_per_sm: int = 2
     fin_threads: int = 128         # finalize pass: 4 columns per thread
     fin_ctas_per_sm: int = 8
     pdl: bool = True
@@ -205,14 +212,30 @@ class BgmvExpandSm90:
             dense = cutlass.Boolean(False)
             if cutlass.const_expr(self.pdl):
                 dense = (items >= cfg.pair_dense_items) & (b.shape[3] <= _KB)
+            wide = cutlass.Boolean(False)
+            if cutlass.const_expr(self.pdl and cfg.pair_staged64_min_items > 0):
+                wide = (items >= cfg.pair_staged64_min_items) & (b.shape[3] > _KB)
             if dense:
                 self.launch_dense(s, b, topk_ids, lora, topk_w, y, items, stream)
+            elif wide:
+                self.launch_staged64(s, b, topk_ids, lora, topk_w, y, items, stream)
             else:
                 grid = cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm)
                 grid = cutlass.max(grid, 1)
                 self.kernel(s, b, topk_ids, lora, topk_w, y, False, False).launch(
                     grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
                     use_pdl=self.pdl)
+
+    @cute.jit
+    def launch_staged64(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
+                        lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor,
+                        items: cutlass.Int32, stream: cuda.CUstream):
+        """The staged build for rank 33..64, one item per CTA (plans only)."""
+        if cutlass.const_expr(self.pdl and self.cfg.pair_staged64_min_items > 0):
+            self.kernel(s, b, topk_ids, lora, topk_w, y, False, True).launch(
+                grid=[items, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+                min_blocks_per_mp=self.cfg.pair_staged64_ctas_per_sm,
+                preferred_smem_carveout=100, use_pdl=True)
 
     @cute.jit
     def launch_dense(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
@@ -263,10 +286,12 @@ class BgmvExpandSm90:
             sd, slive, sw = None, None, None
         sBw = None
         if cutlass.const_expr(staged):
-            sB = smem.allocate_tensor(self.dtype, cute.make_layout(_MAX_K * 8 * 32 * _VEC), 16)
-            # this warp's 8 x 32 vectors (lane-major per n-tile: conflict-free reads)
-            sBw = cute.local_tile(sB, (8 * 32 * _VEC,), (warp,))
-        if cutlass.const_expr(r32):
+            nbw = 1 if r32 else 2               # k blocks of R per warp slot
+            sB = smem.allocate_tensor(self.dtype,
+                                      cute.make_layout(_MAX_K * nbw * 8 * 32 * _VEC), 16)
+            # this warp's nbw x 8 x 32 vectors (lane-major per n-tile: conflict-free reads)
+            sBw = cute.local_tile(sB, (nbw * 8 * 32 * _VEC,), (warp,))
+        if cutlass.const_expr(r32 or staged):
             # one item per CTA (the launch covers every item): no loop-carried registers
             if bid < items:
                 self._pair_item(bid, s, b, topk_ids, lora, topk_w, y, sd, slive, sw, tidx,
@@ -325,6 +350,14 @@ class BgmvExpandSm90:
                 elif cutlass.const_expr(r32):
                     self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
                                     zmask, 1, None, b, sBw, lane)
+                elif cutlass.const_expr(sBw is not None):
+                    # the staged build for R <= 64 (one or two k blocks)
+                    if R > _KB:
+                        self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
+                                        zmask, 2, None, b, sBw, lane)
+                    else:
+                        self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
+                                        zmask, 1, None, b, sBw, lane)
                 elif R > _KB:
                     self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
                                     zmask, 2)
@@ -381,13 +414,15 @@ class BgmvExpandSm90:
                 cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
                 num_bits_per_copy=128)
             s_n = cutlass.Int32(b.stride[2])
-            base = slab_ptr(b, lo, ex, _VEC) + cute.assume(
-                (n0 + g) * s_n + cutlass.min(q, nrv - 1) * _VEC, divby=_VEC)
-            for i in cutlass.range_constexpr(8):
-                if n0 + 8 * i + g < N:
-                    src = cute.make_tensor(base + cute.assume(8 * i * s_n, divby=_VEC),
-                                           cute.make_layout(_VEC))
-                    cute.copy(cp_atom, src, cute.local_tile(sBw, (_VEC,), (32 * i + lane,)))
+            for kb in cutlass.range_constexpr(NB):
+                base = slab_ptr(b, lo, ex, _VEC) + cute.assume(
+                    (n0 + g) * s_n + cutlass.min(4 * kb + q, nrv - 1) * _VEC, divby=_VEC)
+                for i in cutlass.range_constexpr(8):
+                    if n0 + 8 * i + g < N:
+                        src = cute.make_tensor(base + cute.assume(8 * i * s_n, divby=_VEC),
+                                               cute.make_layout(_VEC))
+                        cute.copy(cp_atom, src,
+                                  cute.local_tile(sBw, (_VEC,), (32 * (8 * kb + i) + lane,)))
             cute.arch.cp_async_commit_group()
         elif cutlass.const_expr(b is not None):
             bf.fill(0.0)
@@ -420,17 +455,21 @@ class BgmvExpandSm90:
             acc = cute.make_rmem_tensor((4,), cutlass.Float32)
             acc.fill(0.0)
             if cutlass.const_expr(sBw is not None):
-                # (NB == 1) this n-tile's vector from the lane's slot: the same words
-                bi = cute.make_rmem_tensor((_VEC,), self.dtype)
+                # this n-tile's vectors from the lane's slots: the same words (rows past N
+                # stay zero, as in the slab-addressed register build)
+                bi = cute.make_rmem_tensor((_VEC, NB), self.dtype)
                 bi.fill(0.0)
                 if n0 + 8 * i + g < N:
-                    cute.autovec_copy(cute.local_tile(sBw, (_VEC,), (32 * i + lane,)), bi)
+                    for kb in cutlass.range_constexpr(NB):
+                        cute.autovec_copy(
+                            cute.local_tile(sBw, (_VEC,), (32 * (8 * kb + i) + lane,)),
+                            bi[None, kb])
             for kb in cutlass.range_constexpr(NB):
                 ok = 4 * kb + q < nrv
                 sw_ = zero_unless(words(sf[None, kb]), ok)
                 if cutlass.const_expr(i == 0 and kb == 0):
                     sw_[0] = sw_[0] | hold
-                bw = words(bi) if sBw is not None else words(bf[None, kb, i])
+                bw = words(bi[None, kb]) if sBw is not None else words(bf[None, kb, i])
                 mma_block(sw_, sw_, zero_unless(bw, ok), acc, self.bf16)
             if g == i:
                 d[0] = acc[0]

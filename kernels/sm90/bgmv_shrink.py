@@ -92,11 +92,16 @@ class BgmvShrinkSm90Config:
     # fit an SM, and a plan's expand (PDL) finds room beside them to start its B loads early.
     # Same fragments, same chain: same bits. H200 A/B (perf/results/
     # tune_memops_h200_bgmv_pair_smem.json, 3 rounds, plan us): T=4 10.0 -> 9.65, T=8 13.4 ->
-    # 12.3, T=12..60 within +-2%, T=1 7.5 -> 7.7 (hence the threshold; 0: never). Rank <= 32
-    # only: at rank 64 (whose plan expand is not the 3-per-SM build) the benchmark ran 5-10%
-    # slower with it (perf/results/bgmv_moe_h200_d6b9f5e.json: T=4 13.4 -> 14.4 us, T=32 49.2
-    # -> 54.3).
+    # 12.3, T=12..60 within +-2%, T=1 7.5 -> 7.7 (hence the threshold; 0: never). At rank
+    # 33..64 with the register build of the plan's expand it ran 5-10% slower (perf/results/
+    # bgmv_moe_h200_d6b9f5e.json: T=4 13.4 -> 14.4 us, T=32 49.2 -> 54.3): see the next field.
     pair_smem_min_items: int = 64
+    # rank 33..64: the staged build from this many items (0: never), where the plan's expand
+    # runs its staged rank-64 build too (BgmvExpandSm90Config.pair_staged64_min_items). H200
+    # (perf/results/tune_memops_h200_bgmv_staged_r64.json, 3 rounds, rank 64 plans, both
+    # staged at every count): T=8 22.4 -> 20.3 us, T=16 33.8 -> 31.5, T=32 50.1 -> 47.6,
+    # T=60 81.0 -> 74.0, but T=1 8.5 -> 9.1 and T=4 13.4 -> 14.4 (192 items), hence 264.
+    pair_smem_wide_min_items: int = 264
     pair_smem_ctas_per_sm: int = 4
     num_sms: int = 65536
     ctas_per_sm: int = 4
@@ -204,6 +209,8 @@ class BgmvShrinkSm90:
             staged = cutlass.Boolean(False)
             if cutlass.const_expr(cfg.pair_smem_min_items > 0):
                 staged = (items >= cfg.pair_smem_min_items) & (R <= _KB)
+            if cutlass.const_expr(cfg.pair_smem_wide_min_items > 0):
+                staged = staged | ((items >= cfg.pair_smem_wide_min_items) & (R > _KB))
             if staged:
                 self.kernel(x, a, topk_ids, lora, order, s, True).launch(
                     grid=[grid, 1, 1], block=[32 * cfg.pair_warps, 1, 1], stream=stream,

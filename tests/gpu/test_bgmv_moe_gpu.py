@@ -89,12 +89,16 @@ def run_plan(x, a, b, ids, w, lora, *, finalize=True, order=None, fused=None):
     # sm90 plans: the pair expand's R <= 32 build at 3 CTAs per SM, one wave (336 and 390
     # items; 4104 = 64 * 64 + 8: a partial last column chunk) and several (3900 at R = 24),
     # and its staged build (R = 32 beyond one wave: 1344 and 2600 items); the pair shrink's
-    # staged build (R <= 32 from 64 items) in all of these
+    # staged build (R <= 32 from 64 items) in all of these; the staged rank 33..64 builds of
+    # both (from 264 items; R = 40: a partial second k block) in the last two and in
+    # (32, 8, 3072, ..., 64) above
     (8, 6, 2688, 2688, 32, 8, 128),
     (6, 8, 1000, 4104, 24, 2, 16),
     (32, 6, 2688, 2688, 32, 8, 128),
     (60, 6, 1000, 4104, 24, 2, 16),
     (40, 6, 1000, 4104, 32, 2, 16),
+    (8, 6, 2688, 2688, 64, 8, 128),
+    (24, 6, 1000, 1032, 40, 2, 16),
     (5, 1, 8, 8, 8, 16, 512),
 ])
 def test_plan_matches_reference(design, dtype, t, k, h, n, r, num_l, num_e):
