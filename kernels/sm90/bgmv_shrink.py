@@ -174,8 +174,9 @@ class BgmvShrinkSm90:
             return False
         if c.bin_small_per_bin < 0 or c.bin_small_min_per_bin < 0:
             return False
-        if c.pair_smem_min_items > 0 and (c.pair_smem_ctas_per_sm < 1
-                                          or c.pair_warps * (c.seg_h // _KB) * 36 * 16 > _SMEM_LIMIT):
+        staged = c.pair_smem_min_items > 0 or c.pair_smem_wide_min_items > 0
+        if staged and (c.pair_smem_ctas_per_sm < 1
+                       or c.pair_warps * (c.seg_h // _KB) * 36 * 16 > _SMEM_LIMIT):
             return False
         if c.bin_small_per_bin > 0 and not BgmvShrinkSm90.can_implement(dtype, _small_shape(c)):
             return False
