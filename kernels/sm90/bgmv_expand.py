@@ -232,10 +232,8 @@ class BgmvExpandSm90:
                         items: cutlass.Int32, stream: cuda.CUstream):
         """The staged build for rank 33..64, one item per CTA (plans only)."""
         if cutlass.const_expr(self.pdl and self.cfg.pair_staged64_min_items > 0):
-            self.kernel(s, b, topk_ids, lora, topk_w, y, False, True).launch(
-                grid=[items, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
-                min_blocks_per_mp=self.cfg.pair_staged64_ctas_per_sm,
-                preferred_smem_carveout=100, use_pdl=True)
+            self._launch_per_item(s, b, topk_ids, lora, topk_w, y, items, stream, False, True,
+                                  self.cfg.pair_staged64_ctas_per_sm)
 
     @cute.jit
     def launch_dense(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
@@ -248,15 +246,23 @@ class BgmvExpandSm90:
             if cutlass.const_expr(self.cfg.pair_staged_min_items > 0):
                 staged = (items > self.cfg.pair_staged_min_items) & (b.shape[3] == _KB)
             if staged:
-                self.kernel(s, b, topk_ids, lora, topk_w, y, True, True).launch(
-                    grid=[items, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
-                    min_blocks_per_mp=self.cfg.pair_staged_ctas_per_sm,
-                    preferred_smem_carveout=100, use_pdl=True)
+                self._launch_per_item(s, b, topk_ids, lora, topk_w, y, items, stream, True,
+                                      True, self.cfg.pair_staged_ctas_per_sm)
             else:
-                self.kernel(s, b, topk_ids, lora, topk_w, y, True, False).launch(
-                    grid=[items, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
-                    min_blocks_per_mp=self.cfg.pair_dense_ctas_per_sm,
-                    preferred_smem_carveout=25, use_pdl=True)
+                self._launch_per_item(s, b, topk_ids, lora, topk_w, y, items, stream, True,
+                                      False, self.cfg.pair_dense_ctas_per_sm)
+
+    @cute.jit
+    def _launch_per_item(self, s: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
+                         lora: cute.Tensor, topk_w: cute.Tensor, y: cute.Tensor,
+                         items: cutlass.Int32, stream: cuda.CUstream, r32: cutlass.Constexpr,
+                         staged: cutlass.Constexpr, ctas_per_sm: cutlass.Constexpr):
+        """A one-item-per-CTA build of the pair kernel (PDL: plans only); the staged ones
+        take the shared memory carveout."""
+        self.kernel(s, b, topk_ids, lora, topk_w, y, r32, staged).launch(
+            grid=[items, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+            min_blocks_per_mp=ctas_per_sm, preferred_smem_carveout=100 if staged else 25,
+            use_pdl=True)
 
     # ------------------------------------------------------------------ pair schedule
     @cute.kernel
@@ -350,20 +356,15 @@ class BgmvExpandSm90:
                 elif cutlass.const_expr(r32):
                     self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
                                     zmask, 1, None, b, sBw, lane)
-                elif cutlass.const_expr(sBw is not None):
-                    # the staged build for R <= 64 (one or two k blocks)
+                else:
+                    # the staged build (sBw) addresses b from the slab; the other one clamps
+                    bs = b if sBw is not None else None
                     if R > _KB:
                         self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
-                                        zmask, 2, None, b, sBw, lane)
+                                        zmask, 2, None, bs, sBw, lane)
                     else:
                         self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
-                                        zmask, 1, None, b, sBw, lane)
-                elif R > _KB:
-                    self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
-                                    zmask, 2)
-                else:
-                    self._pair_dots(sv, bv, vec_atom, d, p, lo, ex, n0, N, nrv, g, q,
-                                    zmask, 1)
+                                        zmask, 1, None, bs, sBw, lane)
 
         if cutlass.const_expr(self.finalize):
             for e2 in cutlass.range_constexpr(2):
@@ -401,18 +402,24 @@ class BgmvExpandSm90:
                    g: cutlass.Int32, q: cutlass.Int32, zmask: cutlass.Int32,
                    NB: cutlass.Constexpr, after_b=None, b=None, sBw=None, lane=None):
         """d = the chains of n-tile g of the chunk for pair p (NB k blocks of R). after_b:
-        called once the b loads are issued. b (NB = 1 only): rows addressed from the slab's
-        base pointer with 32-bit offsets, rows past N not loaded (zeros; same products):
-        fewer address registers than a clamped 64-bit address per load."""
+        called once the b loads are issued. b: rows addressed from the slab's base pointer
+        with 32-bit offsets, rows past N not loaded (zeros; same products): fewer address
+        registers than a clamped 64-bit address per load (register builds: NB = 1 only).
+        sBw (with b): the staged builds, through this warp's shared-memory slots."""
         bf = cute.make_rmem_tensor((_VEC, NB, 8), self.dtype)
         sf = cute.make_rmem_tensor((_VEC, NB), self.dtype)
         # every load of the pair first: b (an input) before the wait for the shrink that
         # writes s (self.pdl; a no-op once that kernel is done)
-        if cutlass.const_expr(sBw is not None):
-            # staged: cp.async the same vectors to this lane's slots; read back below
-            cp_atom = cute.make_copy_atom(
-                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
-                num_bits_per_copy=128)
+        if cutlass.const_expr(b is not None):
+            # staged (sBw): cp.async the same vectors into this lane's slots, read back below
+            staged = sBw is not None
+            if cutlass.const_expr(staged):
+                atom = cute.make_copy_atom(
+                    cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
+                    num_bits_per_copy=128)
+            else:
+                atom = vec_atom
+                bf.fill(0.0)
             s_n = cutlass.Int32(b.stride[2])
             for kb in cutlass.range_constexpr(NB):
                 base = slab_ptr(b, lo, ex, _VEC) + cute.assume(
@@ -421,19 +428,13 @@ class BgmvExpandSm90:
                     if n0 + 8 * i + g < N:
                         src = cute.make_tensor(base + cute.assume(8 * i * s_n, divby=_VEC),
                                                cute.make_layout(_VEC))
-                        cute.copy(cp_atom, src,
-                                  cute.local_tile(sBw, (_VEC,), (32 * (8 * kb + i) + lane,)))
-            cute.arch.cp_async_commit_group()
-        elif cutlass.const_expr(b is not None):
-            bf.fill(0.0)
-            s_n = cutlass.Int32(b.stride[2])
-            base = slab_ptr(b, lo, ex, _VEC) + cute.assume(
-                (n0 + g) * s_n + cutlass.min(q, nrv - 1) * _VEC, divby=_VEC)
-            for i in cutlass.range_constexpr(8):
-                if n0 + 8 * i + g < N:
-                    src = cute.make_tensor(base + cute.assume(8 * i * s_n, divby=_VEC),
-                                           cute.make_layout(_VEC))
-                    cute.copy(vec_atom, src, bf[None, 0, i])
+                        if cutlass.const_expr(staged):
+                            dst = cute.local_tile(sBw, (_VEC,), (32 * (8 * kb + i) + lane,))
+                        else:
+                            dst = bf[None, kb, i]
+                        cute.copy(atom, src, dst)
+            if cutlass.const_expr(staged):
+                cute.arch.cp_async_commit_group()
         else:
             for i in cutlass.range_constexpr(8):
                 n = cutlass.min(n0 + 8 * i + g, N - 1)

@@ -63,6 +63,12 @@ _R_MAX = 64   # the contract's rank bound: the ring holds 64 A rows
 _SMEM_LIMIT = 227 * 1024
 
 
+def _pair_smem_bytes(c) -> int:
+    """The staged pair build's slots: per warp and k block of a segment, 32 A vectors (one
+    per lane) and 4 x vectors, 16 bytes each."""
+    return c.pair_warps * (c.seg_h // _KB) * (32 + 4) * 16
+
+
 def _bin_smem_bytes(c) -> int:
     nt = 32 * c.bin_warps
     # A: 64 rows x bin_chunk_h (or 32 x twice that); x rows: up to twice bin_chunk_h
@@ -175,8 +181,7 @@ class BgmvShrinkSm90:
         if c.bin_small_per_bin < 0 or c.bin_small_min_per_bin < 0:
             return False
         staged = c.pair_smem_min_items > 0 or c.pair_smem_wide_min_items > 0
-        if staged and (c.pair_smem_ctas_per_sm < 1
-                       or c.pair_warps * (c.seg_h // _KB) * 36 * 16 > _SMEM_LIMIT):
+        if staged and (c.pair_smem_ctas_per_sm < 1 or _pair_smem_bytes(c) > _SMEM_LIMIT):
             return False
         if c.bin_small_per_bin > 0 and not BgmvShrinkSm90.can_implement(dtype, _small_shape(c)):
             return False
@@ -213,13 +218,21 @@ class BgmvShrinkSm90:
             if cutlass.const_expr(cfg.pair_smem_wide_min_items > 0):
                 staged = staged | ((items >= cfg.pair_smem_wide_min_items) & (R > _KB))
             if staged:
-                self.kernel(x, a, topk_ids, lora, order, s, True).launch(
-                    grid=[grid, 1, 1], block=[32 * cfg.pair_warps, 1, 1], stream=stream,
-                    min_blocks_per_mp=cfg.pair_smem_ctas_per_sm, preferred_smem_carveout=100)
+                self.launch_pair(x, a, topk_ids, lora, order, s, grid, stream, True)
             else:
-                self.kernel(x, a, topk_ids, lora, order, s, False).launch(
-                    grid=[grid, 1, 1], block=[32 * cfg.pair_warps, 1, 1], stream=stream,
-                    min_blocks_per_mp=cfg.pair_ctas_per_sm, preferred_smem_carveout=25)
+                self.launch_pair(x, a, topk_ids, lora, order, s, grid, stream, False)
+
+    @cute.jit
+    def launch_pair(self, x: cute.Tensor, a: cute.Tensor, topk_ids: cute.Tensor,
+                    lora: cute.Tensor, order: cute.Tensor, s: cute.Tensor, grid: cutlass.Int32,
+                    stream: cuda.CUstream, staged: cutlass.Constexpr):
+        """The pair kernel, its staged build (shared memory carveout, pair_smem_ctas_per_sm)
+        or the register one."""
+        cfg = self.cfg
+        self.kernel(x, a, topk_ids, lora, order, s, staged).launch(
+            grid=[grid, 1, 1], block=[32 * cfg.pair_warps, 1, 1], stream=stream,
+            min_blocks_per_mp=cfg.pair_smem_ctas_per_sm if staged else cfg.pair_ctas_per_sm,
+            preferred_smem_carveout=100 if staged else 25)
 
     @cute.jit
     def launch_bin(self, x: cute.Tensor, a: cute.Tensor, topk_ids: cute.Tensor,
