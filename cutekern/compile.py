@@ -46,16 +46,23 @@ def dsl_version() -> str:
 def source_hash(op: str, design: str) -> str:
     impl = OPS[op].designs[design]
     origin = Path(importlib.util.find_spec(impl.module).origin)
-    # kernels/<design>/_*.py: device code shared by that design's kernels; kernels/_*.py:
-    # shared by every design
-    helpers = sorted(p for d in (origin.parent, origin.parent.parent) for p in d.glob("_*.py")
-                     if p.name != "__init__.py")
-    # other kernels of the design whose device code this one runs (bgmv_binplan: the shrink's
-    # and the expand's bin groups)
-    siblings = sorted({origin.parent / f"{m}.py" for m in re.findall(
-        rf"^from kernels\.{design}\.([a-z]\w*) import", origin.read_text(), re.M)})
+    # other kernels whose device code this one runs, transitively (bgmv_binplan: the shrink's
+    # and the expand's bin groups; the Ada design's BGMV kernels: the sm90 ones)
+    kernels_root = origin.parent.parent
+    mods, todo = [], [origin]
+    while todo:
+        p = todo.pop()
+        if p in mods:
+            continue
+        mods.append(p)
+        todo += [kernels_root / d / f"{m}.py" for d, m in re.findall(
+            r"^from kernels\.(\w+)\.([a-z]\w*) import", p.read_text(), re.M)]
+    # kernels/<design>/_*.py of every design those come from: device code shared by that
+    # design's kernels; kernels/_*.py: shared by every design
+    dirs = sorted({p.parent for p in mods}) + [kernels_root]
+    helpers = sorted(p for d in dirs for p in d.glob("_*.py") if p.name != "__init__.py")
     h = hashlib.sha256()
-    for p in [origin] + siblings + helpers + [_PKG_ROOT / f for f in _COMMON_SOURCES]:
+    for p in [origin] + sorted(mods[1:]) + helpers + [_PKG_ROOT / f for f in _COMMON_SOURCES]:
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]

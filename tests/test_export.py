@@ -35,8 +35,11 @@ OP_FINGERPRINTS = {
     # code, and no PDL wait (nothing runs before it in the plan)
     ("bgmv_binplan", "sm90"): ({"LDGSTS", "LDGDEPBAR", "VOTE", "HMMA", "STG"},
                              ATOMICS | {"ACQBULK"}),
-    ("bgmv_shrink", "ada"): ({"LDGSTS", "LDGDEPBAR", "SHFL"}, ATOMICS | {"UTMALDG", "HGMMA"}),
-    ("bgmv_expand", "ada"): ({"LDGSTS", "LDGDEPBAR"}, ATOMICS | {"UTMALDG", "HGMMA"}),
+    # Ada: the sm90 BGMV kernels built without PDL (neither griddepcontrol instruction)
+    ("bgmv_shrink", "ada"): ({"LDGSTS", "LDGDEPBAR", "VOTE", "HMMA"},
+                             ATOMICS | {"UTMALDG", "HGMMA", "ACQBULK", "PREEXIT"}),
+    ("bgmv_expand", "ada"): ({"LDGSTS", "LDGDEPBAR", "VOTE", "HMMA"},
+                             ATOMICS | {"UTMALDG", "HGMMA", "ACQBULK", "PREEXIT"}),
     ("bgmv_shrink", "sm100"): ({"UBLKCP", "SYNCS", "VOTE"}, ATOMICS | {"LDGSTS"}),
     ("bgmv_expand", "sm100"): ({"UTMALDG", "UBLKCP", "SYNCS", "VOTE"}, ATOMICS | {"LDGSTS"}),
 }

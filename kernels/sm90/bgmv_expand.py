@@ -149,10 +149,12 @@ class BgmvExpandSm90Config:
 
 
 class BgmvExpandSm90:
+    SMEM_LIMIT = _SMEM_LIMIT    # per CTA (the Ada design's subclass lowers it)
+
     def __init__(self, dtype, finalize: bool,
                  config: BgmvExpandSm90Config = BgmvExpandSm90Config(), after_shrink: bool = False):
-        if not BgmvExpandSm90.can_implement(dtype, config):
-            raise ValueError(f"BgmvExpandSm90 cannot implement {dtype} with {config}")
+        if not type(self).can_implement(dtype, config):
+            raise ValueError(f"{type(self).__name__} cannot implement {dtype} with {config}")
         self.dtype = dtype
         self.bf16 = is_bf16(dtype)
         self.finalize = bool(finalize)
@@ -161,8 +163,8 @@ class BgmvExpandSm90:
         self.pdl = config.pdl and bool(after_shrink)
         self.num_threads = 32 * _MAX_K
 
-    @staticmethod
-    def can_implement(dtype, config: BgmvExpandSm90Config) -> bool:
+    @classmethod
+    def can_implement(cls, dtype, config: BgmvExpandSm90Config) -> bool:
         if dtype not in _DTYPES:
             return False
         c = config
@@ -179,7 +181,7 @@ class BgmvExpandSm90:
             return False
         if not (32 <= c.fin_threads <= 1024 and c.fin_threads % 32 == 0 and c.fin_ctas_per_sm >= 1):
             return False
-        return _bin_smem_bytes(c) <= _SMEM_LIMIT
+        return _bin_smem_bytes(c) <= cls.SMEM_LIMIT
 
     # ------------------------------------------------------------------ host side
     @cute.jit

@@ -146,19 +146,21 @@ def _small_shape(c: BgmvShrinkSm90Config) -> BgmvShrinkSm90Config:
 
 
 class BgmvShrinkSm90:
+    SMEM_LIMIT = _SMEM_LIMIT    # per CTA (the Ada design's subclass lowers it)
+
     def __init__(self, dtype, config: BgmvShrinkSm90Config = BgmvShrinkSm90Config()):
-        if not BgmvShrinkSm90.can_implement(dtype, config):
-            raise ValueError(f"BgmvShrinkSm90 cannot implement {dtype} with {config}")
+        if not type(self).can_implement(dtype, config):
+            raise ValueError(f"{type(self).__name__} cannot implement {dtype} with {config}")
         self.dtype = dtype
         self.cfg = config
         self.bf16 = is_bf16(dtype)
         # the small-bin shape: the same kernel compiled with its own warps / ring / CTAs
         self.small = None
         if config.bin_mode and config.bin_small_per_bin > 0:
-            self.small = BgmvShrinkSm90(dtype, _small_shape(config))
+            self.small = type(self)(dtype, _small_shape(config))
 
-    @staticmethod
-    def can_implement(dtype, config: BgmvShrinkSm90Config) -> bool:
+    @classmethod
+    def can_implement(cls, dtype, config: BgmvShrinkSm90Config) -> bool:
         c = config
         if dtype not in _DTYPES:
             return False
@@ -181,11 +183,11 @@ class BgmvShrinkSm90:
         if c.bin_small_per_bin < 0 or c.bin_small_min_per_bin < 0:
             return False
         staged = c.pair_smem_min_items > 0 or c.pair_smem_wide_min_items > 0
-        if staged and (c.pair_smem_ctas_per_sm < 1 or _pair_smem_bytes(c) > _SMEM_LIMIT):
+        if staged and (c.pair_smem_ctas_per_sm < 1 or _pair_smem_bytes(c) > cls.SMEM_LIMIT):
             return False
-        if c.bin_small_per_bin > 0 and not BgmvShrinkSm90.can_implement(dtype, _small_shape(c)):
+        if c.bin_small_per_bin > 0 and not cls.can_implement(dtype, _small_shape(c)):
             return False
-        return _bin_smem_bytes(c) <= _SMEM_LIMIT
+        return _bin_smem_bytes(c) <= cls.SMEM_LIMIT
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -212,14 +214,17 @@ class BgmvShrinkSm90:
         else:
             items = Q * (R // 8)
             grid = cutlass.max(cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm), 1)
-            staged = cutlass.Boolean(False)
-            if cutlass.const_expr(cfg.pair_smem_min_items > 0):
-                staged = (items >= cfg.pair_smem_min_items) & (R <= _KB)
-            if cutlass.const_expr(cfg.pair_smem_wide_min_items > 0):
-                staged = staged | ((items >= cfg.pair_smem_wide_min_items) & (R > _KB))
-            if staged:
-                self.launch_pair(x, a, topk_ids, lora, order, s, grid, stream, True)
-            else:
+            if cutlass.const_expr(cfg.pair_smem_min_items > 0 or cfg.pair_smem_wide_min_items > 0):
+                staged = cutlass.Boolean(False)
+                if cutlass.const_expr(cfg.pair_smem_min_items > 0):
+                    staged = (items >= cfg.pair_smem_min_items) & (R <= _KB)
+                if cutlass.const_expr(cfg.pair_smem_wide_min_items > 0):
+                    staged = staged | ((items >= cfg.pair_smem_wide_min_items) & (R > _KB))
+                if staged:
+                    self.launch_pair(x, a, topk_ids, lora, order, s, grid, stream, True)
+                else:
+                    self.launch_pair(x, a, topk_ids, lora, order, s, grid, stream, False)
+            else:   # no staged build compiled at all (the Ada design)
                 self.launch_pair(x, a, topk_ids, lora, order, s, grid, stream, False)
 
     @cute.jit

@@ -206,6 +206,32 @@ def test_fused_plan_equals_two_kernels_bitwise(design, dtype, finalize, t, k, h,
     assert torch.equal(one.out, two.out)
 
 
+@pytest.mark.parametrize("t,k,h,n,r,num_l,num_e", [
+    (1, 6, 2688, 2688, 32, 8, 128),
+    (8, 6, 2688, 4104, 64, 8, 128),
+    (40, 6, 1000, 4104, 24, 2, 16),
+    (700, 8, 1000, 1016, 24, 4, 64),
+])
+def test_designs_agree_bitwise(monkeypatch, t, k, h, n, r, num_l, num_e):
+    """The Ada design runs the sm90 kernels without PDL (and without the sm90 plan's staged /
+    one-item-per-CTA expand builds and one-launch plan kernel), i.e. the same mma chains: both
+    designs give the same bits, small and large batches, finalized or not."""
+    from conftest import designs_here
+    if not {"sm90", "ada"} <= set(designs_here()):
+        pytest.skip("needs a GPU that runs both designs")
+    x, a, b, ids, w, lora = make(t, k, h, n, r, num_l, num_e, torch.bfloat16, seed=t + 7)
+    got = {}
+    for d in ("sm90", "ada"):
+        monkeypatch.setenv("CUTEKERN_DESIGN", d)
+        for finalize in (True, False):
+            plan = run_plan(x, a, b, ids, w, lora, finalize=finalize)
+            got[d, finalize] = (plan.shrink_out.clone(), plan.out.clone())
+    check_expand(got["ada", True][1], got["ada", True][0], b, ids, lora, w)
+    for finalize in (True, False):
+        assert torch.equal(got["sm90", finalize][0], got["ada", finalize][0])
+        assert torch.equal(got["sm90", finalize][1], got["ada", finalize][1])
+
+
 def test_one_bin_with_repeated_expert_ids(design):
     """Every token sends all 8 slots to expert 0 under adapter 0: one bin holds all T * k
     pairs, more per token round than the sm90 bin list holds, so the bin kernels collect
