@@ -181,8 +181,9 @@ OPS: dict = {
     "bgmv_binplan": OpSpec(
         name="bgmv_binplan",
         abi=_abi.bgmv_binplan_abi,
-        designs={"sm90": DesignImpl("kernels.sm90.bgmv_binplan", "BgmvBinPlanSm90",
-                                    "BgmvBinPlanSm90Config")},
+        designs={d: DesignImpl(f"kernels.{d}.bgmv_binplan", f"BgmvBinPlan{sfx}",
+                               f"BgmvBinPlan{sfx}Config")
+                 for d, sfx in (("sm90", "Sm90"), ("ada", "Ada"))},
         variants=tuple(((("dtype", dt),), (("finalize", f),))
                        for dt in ("float16", "bfloat16") for f in (True, False)),
         make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["finalize"], cfg),

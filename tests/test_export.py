@@ -40,6 +40,8 @@ OP_FINGERPRINTS = {
                              ATOMICS | {"UTMALDG", "HGMMA", "ACQBULK", "PREEXIT"}),
     ("bgmv_expand", "ada"): ({"LDGSTS", "LDGDEPBAR", "VOTE", "HMMA"},
                              ATOMICS | {"UTMALDG", "HGMMA", "ACQBULK", "PREEXIT"}),
+    ("bgmv_binplan", "ada"): ({"LDGSTS", "LDGDEPBAR", "VOTE", "HMMA", "STG"},
+                              ATOMICS | {"UTMALDG", "HGMMA", "ACQBULK", "PREEXIT"}),
     ("bgmv_shrink", "sm100"): ({"UBLKCP", "SYNCS", "VOTE"}, ATOMICS | {"LDGSTS"}),
     ("bgmv_expand", "sm100"): ({"UTMALDG", "UBLKCP", "SYNCS", "VOTE"}, ATOMICS | {"LDGSTS"}),
 }

@@ -124,9 +124,11 @@ def _smem_bytes(c: BgmvBinPlanSm90Config) -> int:
 
 
 class BgmvBinPlanSm90:
+    SMEM_LIMIT = _SMEM_LIMIT    # per CTA (the Ada design's subclass lowers it)
+
     def __init__(self, dtype, finalize: bool, config: BgmvBinPlanSm90Config = BgmvBinPlanSm90Config()):
-        if not BgmvBinPlanSm90.can_implement(dtype, config):
-            raise ValueError(f"BgmvBinPlanSm90 cannot implement {dtype} with {config}")
+        if not type(self).can_implement(dtype, config):
+            raise ValueError(f"{type(self).__name__} cannot implement {dtype} with {config}")
         self.dtype = dtype
         self.finalize = bool(finalize)
         self.cfg = config
@@ -134,16 +136,16 @@ class BgmvBinPlanSm90:
         self.ex = BgmvExpandSm90(dtype, finalize, _expand_cfg(config))
         self.small = None
         if config.small_per_bin > 0:
-            self.small = BgmvBinPlanSm90(dtype, finalize, _small_shape(config))
+            self.small = type(self)(dtype, finalize, _small_shape(config))
 
-    @staticmethod
-    def can_implement(dtype, config: BgmvBinPlanSm90Config) -> bool:
+    @classmethod
+    def can_implement(cls, dtype, config: BgmvBinPlanSm90Config) -> bool:
         c = config
         if not (c.bin_min_pairs >= 1 and c.bin_ctas_per_sm >= 1 and c.prefetch_min >= 0):
             return False
         if c.small_per_bin < 0 or c.small_min_per_bin < 0:
             return False
-        if c.small_per_bin > 0 and not BgmvBinPlanSm90.can_implement(dtype, _small_shape(c)):
+        if c.small_per_bin > 0 and not cls.can_implement(dtype, _small_shape(c)):
             return False
         if c.overlap and (c.shrink_stages != c.expand_stages
                           or c.shrink_chunk_h != c.expand_cols):
@@ -151,7 +153,7 @@ class BgmvBinPlanSm90:
         if not (BgmvShrinkSm90.can_implement(dtype, _shrink_cfg(c))
                 and BgmvExpandSm90.can_implement(dtype, _expand_cfg(c))):
             return False
-        return _smem_bytes(c) <= _SMEM_LIMIT
+        return _smem_bytes(c) <= cls.SMEM_LIMIT
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -162,16 +164,17 @@ class BgmvBinPlanSm90:
         T = x.shape[0]
         N = b.shape[2]
         out = ws if self.finalize else y
-        small = cutlass.Boolean(False)
         if cutlass.const_expr(self.small is not None):
             items = a.shape[0] * a.shape[1]
             P = T * topk_ids.shape[1]
             small = ((P > cfg.small_min_per_bin * items) & (P < cfg.small_per_bin * items)) \
                 | ((items > cfg.small_min_bins) & (items <= cfg.small_max_bins)
                    & (P >= items) & (P <= cfg.small_max_per_bin * items))
-        if small:
-            self.small.launch_bins(x, a, b, topk_ids, lora, s, out, stream)
-        else:
+            if small:
+                self.small.launch_bins(x, a, b, topk_ids, lora, s, out, stream)
+            else:
+                self.launch_bins(x, a, b, topk_ids, lora, s, out, stream)
+        else:   # no small shape (the Ada design)
             self.launch_bins(x, a, b, topk_ids, lora, s, out, stream)
         if cutlass.const_expr(self.finalize):
             fcols = 4 * cfg.fin_threads
