@@ -251,7 +251,7 @@ def test_one_bin_with_repeated_expert_ids(design):
     assert torch.equal(one.out, full.out[7:8])
 
 
-# 32: pair schedules; 300 (1.76 pairs per bin) and 700: bins (sm90: the one-launch plan kernel)
+# 32: pair schedules; 300 (1.76 pairs per bin) and 700: bins (the one-launch plan kernel)
 @pytest.mark.parametrize("t", [32, 300, 700])
 def test_graph_replay_with_new_contents(design, t, warm_graph_pool):
     k, h, n, r, num_l, num_e = 6, 2688, 2688, 32, 8, 128
