@@ -3,8 +3,9 @@
 The sm90 kernel (kernels/sm90/bgmv_expand.py: pair schedule, bin schedule + fixed-order
 finalize pass) built without PDL (sm_80 / sm_89 have no griddepcontrol) and within Ada's
 99 KB of shared memory per block; see kernels/ada/bgmv_shrink.py. Same chains, same bits as
-the sm90 design. Without PDL a plan's expand is the stand-alone kernel (the one-item-per-CTA
-and staged builds of the sm90 plan exist to start beside the shrink).
+the sm90 design. A plan's expand is the stand-alone kernel: the sm90 plan's staged builds
+exist to start beside the shrink (PDL), and its one-item-per-CTA R <= 32 build, built
+without PDL, spills a register in the finalize variant on sm_90a.
 """
 from __future__ import annotations
 
