@@ -225,6 +225,7 @@ def test_designs_agree_bitwise(monkeypatch, t, k, h, n, r, num_l, num_e):
         monkeypatch.setenv("CUTEKERN_DESIGN", d)
         for finalize in (True, False):
             plan = run_plan(x, a, b, ids, w, lora, finalize=finalize)
+            assert {c.fn.meta["design"] for c in plan._calls} == {d}   # that design's kernels ran
             got[d, finalize] = (plan.shrink_out.clone(), plan.out.clone())
     check_expand(got["ada", True][1], got["ada", True][0], b, ids, lora, w)
     for finalize in (True, False):
