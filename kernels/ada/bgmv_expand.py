@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kernels.ada.bgmv_shrink import NOT_ADA
+from kernels.sm90 import bgmv_expand as _sm90
 from kernels.sm90.bgmv_expand import BgmvExpandSm90, BgmvExpandSm90Config
 
-SASS_REQUIRED = ("LDG", "STG", "HMMA", "LDGSTS", "LDGDEPBAR", "VOTE")
-SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL", "UTMALDG", "HGMMA",
-                  "ACQBULK", "PREEXIT")
+SASS_REQUIRED = _sm90.SASS_REQUIRED
+SASS_FORBIDDEN = _sm90.SASS_FORBIDDEN + NOT_ADA
 
 SMEM_LIMIT_BYTES = 99 * 1024
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kernels.sm90 import bgmv_shrink as _sm90
 from kernels.sm90.bgmv_shrink import BgmvShrinkSm90, BgmvShrinkSm90Config
 
-SASS_REQUIRED = ("LDG", "HMMA", "LDGSTS", "LDGDEPBAR", "VOTE")
-# no PDL (ACQBULK: griddepcontrol.wait), no TMA / WGMMA, no spills, no atomics
-SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL", "UTMALDG", "HGMMA",
-                  "ACQBULK", "PREEXIT")
+# the sm90 kernel's fingerprints, and none of what Ada lacks: PDL (ACQBULK = griddepcontrol.wait,
+# PREEXIT = launch_dependents), TMA, WGMMA
+NOT_ADA = ("UTMALDG", "HGMMA", "ACQBULK", "PREEXIT")
+SASS_REQUIRED = _sm90.SASS_REQUIRED
+SASS_FORBIDDEN = _sm90.SASS_FORBIDDEN + NOT_ADA
 
 SMEM_LIMIT_BYTES = 99 * 1024
 

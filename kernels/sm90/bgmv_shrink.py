@@ -69,6 +69,11 @@ def _pair_smem_bytes(c) -> int:
     return c.pair_warps * (c.seg_h // _KB) * (32 + 4) * 16
 
 
+def _has_staged(c) -> bool:
+    """Whether the staged pair build is compiled at all (either threshold on)."""
+    return c.pair_smem_min_items > 0 or c.pair_smem_wide_min_items > 0
+
+
 def _bin_smem_bytes(c) -> int:
     nt = 32 * c.bin_warps
     # A: 64 rows x bin_chunk_h (or 32 x twice that); x rows: up to twice bin_chunk_h
@@ -182,8 +187,7 @@ class BgmvShrinkSm90:
             return False
         if c.bin_small_per_bin < 0 or c.bin_small_min_per_bin < 0:
             return False
-        staged = c.pair_smem_min_items > 0 or c.pair_smem_wide_min_items > 0
-        if staged and (c.pair_smem_ctas_per_sm < 1 or _pair_smem_bytes(c) > cls.SMEM_LIMIT):
+        if _has_staged(c) and (c.pair_smem_ctas_per_sm < 1 or _pair_smem_bytes(c) > cls.SMEM_LIMIT):
             return False
         if c.bin_small_per_bin > 0 and not cls.can_implement(dtype, _small_shape(c)):
             return False
@@ -214,7 +218,7 @@ class BgmvShrinkSm90:
         else:
             items = Q * (R // 8)
             grid = cutlass.max(cutlass.min(items, cfg.num_sms * cfg.ctas_per_sm), 1)
-            if cutlass.const_expr(cfg.pair_smem_min_items > 0 or cfg.pair_smem_wide_min_items > 0):
+            if cutlass.const_expr(_has_staged(cfg)):
                 staged = cutlass.Boolean(False)
                 if cutlass.const_expr(cfg.pair_smem_min_items > 0):
                     staged = (items >= cfg.pair_smem_min_items) & (R <= _KB)
