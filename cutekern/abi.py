@@ -104,6 +104,17 @@ def ikbo_attention_abi(dtype: str) -> tuple:
     )
 
 
+# AttnRes `work` buffer: [0, 2) the row-scheduler counters of the sm90 one-CTA-per-row kernel;
+# from ATTN_RES_XCH_OFF_WORDS the records of the split kernels that exchange through global
+# memory (the Ada design's): per split C in ATTN_RES_XCH_SPLITS, ATTN_RES_XCH_MAX_CTAS records
+# (one per CTA of the grid) of 2 x 18 8-byte words.
+ATTN_RES_XCH_OFF_WORDS = 64
+ATTN_RES_XCH_MAX_CTAS = 132
+ATTN_RES_XCH_SPLITS = (2, 4, 8)
+ATTN_RES_WORK_WORDS = (ATTN_RES_XCH_OFF_WORDS
+                       + len(ATTN_RES_XCH_SPLITS) * ATTN_RES_XCH_MAX_CTAS * 2 * 18 * 2)
+
+
 def attn_res_abi(dtype: str) -> tuple:
     """ABI of the AttnRes serving op (one fused pass per call).
 
@@ -115,9 +126,12 @@ def attn_res_abi(dtype: str) -> tuple:
       out      (M, H)      dtype
       num_blocks K (0..NB), write_idx (-1 or 0..NB-1), has_delta, has_out_norm: int32
       eps, out_eps: float32
-      work     (2,)        int32   row-scheduler counters: zero before the first launch; the
-                                   kernels that use them (sm90, one CTA per row) leave them
-                                   zero, so a runner keeps one for all its launches
+      work     (W,)        int32   zero before the first launch, then kept by the caller for
+                                   all its launches on one stream: [0, 2) row-scheduler
+                                   counters (sm90, one CTA per row; left zero), and with
+                                   W = ATTN_RES_WORK_WORDS the exchange records of the split
+                                   kernels without clusters (Ada design, row_split > 1;
+                                   sequence numbers that run on across launches)
     """
     return (
         TensorArg("prefix", dtype, 2, align=8),

@@ -16,6 +16,7 @@ import os
 import torch
 
 from ._checks import check_rows16
+from .abi import ATTN_RES_WORK_WORDS
 from .runtime import _raw_stream
 
 MAX_SLOTS = 8
@@ -124,9 +125,10 @@ class AttnResRunner:
 _SPLIT_FOR_ROWS = ((12, 8), (16, 4), (64, 2))
 
 
-def _row_split(m, design):
+def _row_split(m, design, tier):
     from .registry import OPS
-    have = {dict(f)["row_split"] for _, f in OPS["attn_res"].variants_for(design)}
+    have = {dict(f)["row_split"] for _, f in OPS["attn_res"].variants_for(design)
+            if dict(f)["max_hidden"] == tier}
     for rows, split in _SPLIT_FOR_ROWS:
         if m <= rows and split in have:
             return split
@@ -167,7 +169,7 @@ def choose_kernel(m, h, arch, design, num_blocks=None):
             and k <= 1 and m >= _ADA_SHORT_ROWS and tier == HIDDEN_TIERS[0]):
         design = "ada"
     # $CUTEKERN_ATTN_RES_SPLIT forces a split (tuning sweeps, perf/tune_memops.py)
-    split = int(os.environ.get("CUTEKERN_ATTN_RES_SPLIT", 0)) or _row_split(m, design)
+    split = int(os.environ.get("CUTEKERN_ATTN_RES_SPLIT", 0)) or _row_split(m, design, tier)
     flags = {"max_hidden": tier, "row_split": split}
     if OPS["attn_res"].has_flag(design, "online"):
         flags["online"] = bool(split == 1 and tier == HIDDEN_TIERS[0] and (
@@ -176,26 +178,32 @@ def choose_kernel(m, h, arch, design, num_blocks=None):
 
 
 def _function(m, h, num_blocks, device):
+    """(bound-able kernel function, words of `work` it needs)."""
     from .arch import target_arch, target_design
     from .dispatch import get_function
     arch = target_arch(device)
     design, flags = choose_kernel(m, h, arch, target_design(arch), num_blocks)
-    return get_function("attn_res", {"dtype": "bfloat16"}, flags, device, design=design)
+    fn = get_function("attn_res", {"dtype": "bfloat16"}, flags, device, design=design)
+    # the Ada design's split kernels exchange through records in `work` (cutekern/abi.py)
+    words = ATTN_RES_WORK_WORDS if design == "ada" and flags["row_split"] > 1 else 2
+    return fn, words
 
 
 _ONESHOT_WORK: dict = {}
 
 
 def _oneshot_work(device):
-    """The row-scheduler counters for one-shot calls: one buffer per (device, stream), since
-    launches on one stream never overlap and the kernel leaves the counters zero; a fresh
-    one while a CUDA graph is being captured (the capture then owns it)."""
+    """The `work` buffer of one-shot calls (row-scheduler counters, exchange records): one
+    per (device, stream), since launches on one stream never overlap, the kernels leave the
+    counters zero and the records' sequence numbers stay consistent whatever the M of each
+    call; a fresh one while a CUDA graph is being captured (the capture then owns it)."""
     if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(2, dtype=torch.int32, device=device)
+        return torch.zeros(ATTN_RES_WORK_WORDS, dtype=torch.int32, device=device)
     key = (device.index, _raw_stream(device))
     w = _ONESHOT_WORK.get(key)
     if w is None:
-        w = _ONESHOT_WORK[key] = torch.zeros(2, dtype=torch.int32, device=device)
+        w = _ONESHOT_WORK[key] = torch.zeros(ATTN_RES_WORK_WORDS, dtype=torch.int32,
+                                             device=device)
     return w
 
 
@@ -214,9 +222,11 @@ def prepare_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_
     m, h = prefix.shape
     if m == 0:
         return AttnResRunner(None, m, h, num_blocks)
-    fn = _function(m, h, num_blocks, prefix.device)
-    # the runner owns its scheduler counters (zero; every launch leaves them zero)
-    work = _work if _work is not None else torch.zeros(2, dtype=torch.int32, device=prefix.device)
+    fn, words = _function(m, h, num_blocks, prefix.device)
+    # the runner owns its scheduler counters (zero; every launch leaves them zero) and the
+    # split kernels' exchange records (sequence numbers that run on across its launches)
+    work = _work if _work is not None else torch.zeros(words, dtype=torch.int32,
+                                                       device=prefix.device)
     call = fn.bind(prefix, prefix if delta is None else delta, blocks, norm_weight, qk_weight,
                    norm_weight if output_norm_weight is None else output_norm_weight, out,
                    int(num_blocks), int(block_write_idx), int(delta is not None),

@@ -106,13 +106,16 @@ def _attn_variants():
                  for dt in ("float16", "bfloat16") for d in (64, 128))
 
 
-def _attn_res_variants(splits=(1,), online=False):
+def _attn_res_variants(splits=(1,), online=False, skip=()):
     # the hidden size tier bounds the on-chip row buffers; any H % 8 == 0 up to it runs.
-    # row_split > 1: a row's H is split over the CTAs of a cluster (small M: latency).
-    # online (sm90, row_split 1): the build with the online schedule only (short rows, few rows)
+    # row_split > 1: a row's H is split over the CTAs of a cluster (sm90) or of a group
+    # exchanging through global memory (Ada) (small M: latency); skip: (tier, split) pairs
+    # a design cannot build. online (sm90, row_split 1): the build with the online schedule
+    # only (short rows, few rows)
     def flags(h, r, o):
         return (("max_hidden", h), ("row_split", r)) + ((("online", o),) if online else ())
     return tuple(((("dtype", "bfloat16"),), flags(h, r, o)) for h in (8192, 16384) for r in splits
+                 if (h, r) not in skip
                  for o in ((False, True) if online and r == 1 else (False,)))
 
 
@@ -154,7 +157,10 @@ OPS: dict = {
         abi=_abi.attn_res_abi,
         designs=_impls("attn_res", "AttnRes", "AttnRes"),
         variants=_attn_res_variants(),
-        design_variants=(("sm90", _attn_res_variants((1, 2, 4, 8), online=True)),),
+        # Ada's split kernels hold <= 2 chunks of a row per thread in registers: not the
+        # 16384 tier over 2 CTAs
+        design_variants=(("sm90", _attn_res_variants((1, 2, 4, 8), online=True)),
+                         ("ada", _attn_res_variants((1, 2, 4, 8), skip=((16384, 2),)))),
         make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["max_hidden"], cfg, row_split=fl["row_split"],
                                       **({"online": fl["online"]} if "online" in fl else {})),
         doc="Kimi attention residuals: softmax over depth of block snapshots, fused serving form",

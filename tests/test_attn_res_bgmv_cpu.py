@@ -174,7 +174,9 @@ def test_attn_res_kernel_choice(monkeypatch):
     2 up to 64), the sm90 kernel from M = 128, in its online-schedule build for rows of at most
     one block source and for launches of at most 2048 loads (M * (K + 2)), hidden tier 8192;
     the Ada-design kernel for K <= 1 from M = 8192; a design forced by $CUTEKERN_DESIGN is
-    kept, designs without splits never get one; other arches keep their design."""
+    kept; the Ada design splits small M by the same rule (its split builds exchange through
+    global memory) where it has the build (not the 16384 tier over 2 CTAs); designs without
+    splits never get one; other arches keep their design."""
     from cutekern.attn_res import choose_kernel
     monkeypatch.delenv("CUTEKERN_DESIGN", raising=False)
     monkeypatch.delenv("CUTEKERN_ATTN_RES_SPLIT", raising=False)
@@ -197,10 +199,17 @@ def test_attn_res_kernel_choice(monkeypatch):
     assert choose_kernel(8192, 7168, "sm_90a", "sm90", 2) == sm90(8192, 1)
     assert choose_kernel(128, 12344, "sm_90a", "sm90", 1) == sm90(16384, 1)
     assert choose_kernel(4096, 12344, "sm_90a", "sm90") == sm90(16384, 1)
-    assert choose_kernel(1, 7168, "sm_89", "ada") == ("ada", {"max_hidden": 8192, "row_split": 1})
-    assert choose_kernel(1, 7168, "sm_100a", "sm100")[0] == "sm100"
-    assert choose_kernel(300, 7168, "sm_90a", "ada") == ("ada", {"max_hidden": 8192, "row_split": 1})
-    assert choose_kernel(1, 7168, "sm_90a", "ada") == ("ada", {"max_hidden": 8192, "row_split": 1})
+    ada = lambda h, r: ("ada", {"max_hidden": h, "row_split": r})  # noqa: E731
+    assert choose_kernel(1, 7168, "sm_89", "ada") == ada(8192, 8)
+    assert choose_kernel(16, 7168, "sm_80", "ada") == ada(8192, 4)
+    assert choose_kernel(64, 7168, "sm_89", "ada") == ada(8192, 2)
+    assert choose_kernel(65, 7168, "sm_89", "ada") == ada(8192, 1)
+    assert choose_kernel(16, 12344, "sm_89", "ada") == ada(16384, 4)
+    assert choose_kernel(17, 12344, "sm_89", "ada") == ada(16384, 1)
+    assert choose_kernel(1, 7168, "sm_100a", "sm100") == ("sm100", {"max_hidden": 8192,
+                                                                    "row_split": 1})
+    assert choose_kernel(300, 7168, "sm_90a", "ada") == ada(8192, 1)
+    assert choose_kernel(1, 7168, "sm_90a", "ada") == ada(8192, 8)
     assert choose_kernel(4096, 7168, "sm_100a", "sm100", 1)[0] == "sm100"
     monkeypatch.setenv("CUTEKERN_DESIGN", "sm90")  # a forced design is kept (batched at this M)
     assert choose_kernel(8192, 7168, "sm_90a", "sm90", 1) == sm90(8192, 1)

@@ -80,12 +80,14 @@ def test_source_hash_covers_dsl_version_and_source(session_cache, tmp_path, monk
 
 def test_source_hash_covers_sibling_kernels():
     """bgmv_binplan runs the shrink's and the expand's device code, and the Ada design's BGMV
-    kernels run the sm90 ones (another design's module): editing one changes the hash of
-    every op that runs it (a stale kernel would otherwise be served from the cache)."""
+    kernels and AttnRes split kernels run the sm90 ones (another design's module): editing
+    one changes the hash of every op that runs it (a stale kernel would otherwise be served
+    from the cache)."""
     from cutekern import compile as ck
     ck.source_hash.cache_clear()
     users = {"bgmv_shrink.py": (("bgmv_binplan", "sm90"), ("bgmv_shrink", "ada")),
-             "bgmv_expand.py": (("bgmv_binplan", "sm90"), ("bgmv_expand", "ada"))}
+             "bgmv_expand.py": (("bgmv_binplan", "sm90"), ("bgmv_expand", "ada")),
+             "attn_res.py": (("attn_res", "ada"),)}
     before = {u: ck.source_hash(*u) for us in users.values() for u in us}
     for name, us in users.items():
         src = ck._REPO_ROOT / "kernels" / "sm90" / name
@@ -104,20 +106,21 @@ def test_source_hash_covers_sibling_kernels():
 def test_source_hash_covers_design_helpers():
     """kernels/<design>/_*.py (device code shared by a design's kernels) is part of the
     hash of that design's ops and of the ops that run its kernels (the Ada design's BGMV
-    kernels are the sm90 ones), and of no other design's."""
+    kernels and its AttnRes split kernels are the sm90 ones), and of no other design's."""
     from cutekern import compile as ck
     ck.source_hash.cache_clear()
     ops = (("bgmv_shrink", "sm90"), ("bgmv_expand", "sm90"), ("bgmv_shrink", "ada"),
-           ("bgmv_expand", "ada"), ("attn_res", "sm90"), ("attn_res", "ada"), ("lce_gemm", "ada"))
+           ("bgmv_expand", "ada"), ("attn_res", "sm90"), ("attn_res", "ada"), ("lce_gemm", "ada"),
+           ("ikbo_attn", "ada"))
     before = {(op, d): ck.source_hash(op, d) for op, d in ops}
     src = ck._REPO_ROOT / "kernels" / "sm90" / "_bin_scan.py"
     text = src.read_text()
     try:
         src.write_text(text + "\n# edit\n")
         ck.source_hash.cache_clear()
-        for op_design in ops[:5]:
+        for op_design in ops[:6]:
             assert ck.source_hash(*op_design) != before[op_design], op_design
-        for op_design in ops[5:]:
+        for op_design in ops[6:]:
             assert ck.source_hash(*op_design) == before[op_design], op_design
     finally:
         src.write_text(text)

@@ -85,10 +85,18 @@ def _opcodes(sass: str) -> set:
 ATTN_RES_SM90_DIRECT = ({"LDG", "SYNCS"}, {"LDGSTS", "UBLKCP"})
 
 
+# The Ada design's AttnRes split kernels (no clusters on sm_80 / sm_89) are those kernels
+# with the exchange through global memory: no mbarrier, no cluster barrier, no ring.
+ATTN_RES_ADA_SPLIT = ({"LDG", "STG"},
+                      {"LDGSTS", "UBLKCP", "SYNCS", "UCGABAR_ARV", "UCGABAR_WAIT", "UTMALDG"})
+
+
 def _fingerprint(e):
     if (e["op"], e["design"]) == ("attn_res", "sm90") and "UBLKCP" not in e["sass"]["required"]:
         assert e["flags"]["row_split"] > 1, f"{e['prefix']}: only split kernels skip the ring"
         return ATTN_RES_SM90_DIRECT
+    if (e["op"], e["design"]) == ("attn_res", "ada") and e["flags"]["row_split"] > 1:
+        return ATTN_RES_ADA_SPLIT
     return OP_FINGERPRINTS.get((e["op"], e["design"])) or FINGERPRINTS[e["design"]]
 
 

@@ -32,6 +32,13 @@ Design (memory-bound, every source row read from HBM once, no second pass):
 - Block reductions: warp butterfly shuffles, one smem slot per warp, one barrier, then a
   butterfly over the per-warp sums; the slots are double-buffered by a reduction
   counter so consecutive reductions never need a second barrier.
+
+Small M (row_split > 1, the same build rule as the sm90 design's): one CTA per row leaves
+most SMs idle and streams each row through one SM, so a row is split over a group of C
+CTAs. That build is the sm90 design's split_direct kernel (16-byte loads straight into
+registers, nothing an sm_80 SM lacks) with its DSMEM exchange replaced by one through
+global memory (AttnResSm90Config.xchg_global: Ada has no clusters): same arithmetic, same
+bits as the sm90 split kernels.
 """
 from __future__ import annotations
 
@@ -45,10 +52,16 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from kernels._cvt import widen
+from kernels.sm90.attn_res import AttnResSm90, AttnResSm90Config
 
 # cp.async (LDGSTS) ring with its commit/wait groups (LDGDEPBAR / DEPBAR); no TMA/bulk copies
 SASS_REQUIRED = ("LDGSTS", "LDGDEPBAR", "DEPBAR")
 SASS_FORBIDDEN = ("UTMALDG", "UBLKCP", "HGMMA")
+# split builds: 16-byte loads to registers and the global exchange (LDG / STG); no ring, no
+# mbarrier (SYNCS), no cluster barrier (UCGABAR_*), no spills
+SASS_REQUIRED_SPLIT = ("LDG", "STG")
+SASS_FORBIDDEN_SPLIT = ("LDGSTS", "UTMALDG", "UBLKCP", "SYNCS", "UCGABAR_ARV",
+                        "UCGABAR_WAIT", "LDL", "STL")
 
 # Ada's per-block shared memory limit; kept on sm_90a too so one tuning runs everywhere.
 SMEM_LIMIT_BYTES = 99 * 1024
@@ -72,6 +85,14 @@ class AttnResAdaConfig:
     # CTAs beyond what fits queue behind the resident ones; rows are grid-strided)
     sm_count: int = 132
     ctas_per_sm: int = 2
+    # row_split > 1: compute warps per CTA at most (the sm90 split kernels' bound)
+    split_consumer_warps: int = 8
+
+
+def _split_config(config: AttnResAdaConfig) -> AttnResSm90Config:
+    return AttnResSm90Config(split_consumer_warps=config.split_consumer_warps,
+                             num_sms=config.sm_count, ctas_per_sm=1, split_direct=True,
+                             xchg_global=True)
 
 
 def _num_threads(max_hidden: int, config: AttnResAdaConfig) -> int:
@@ -99,10 +120,15 @@ def _smem_bytes(max_hidden: int, config: AttnResAdaConfig) -> int:
 
 class AttnResAda:
     def __init__(self, dtype, max_hidden: int, config: AttnResAdaConfig = AttnResAdaConfig(), row_split: int = 1):
-        if row_split != 1:  # the split-row (cluster) schedule exists in the sm90 design only
-            raise ValueError(f"{type(self).__name__}: row_split must be 1, got {row_split}")
-        if not AttnResAda.can_implement(dtype, max_hidden, config):
-            raise ValueError(f"AttnResAda cannot implement {dtype}, {max_hidden}, {config}")
+        if not AttnResAda.can_implement(dtype, max_hidden, config, row_split):
+            raise ValueError(f"AttnResAda cannot implement {dtype}, {max_hidden}, {config}, "
+                             f"row_split={row_split}")
+        self.row_split = row_split
+        # row_split > 1: the sm90 split kernel with the global exchange (module docstring)
+        self._split = None
+        if row_split > 1:
+            self._split = AttnResSm90(dtype, max_hidden, _split_config(config), row_split)
+            self.sass_required, self.sass_forbidden = SASS_REQUIRED_SPLIT, SASS_FORBIDDEN_SPLIT
         self.dtype = dtype
         self.max_hidden = max_hidden
         self.config = config
@@ -114,9 +140,14 @@ class AttnResAda:
         self.w_in_smem = _w_in_smem(max_hidden, config)
 
     @staticmethod
-    def can_implement(dtype, max_hidden, config: AttnResAdaConfig) -> bool:
+    def can_implement(dtype, max_hidden, config: AttnResAdaConfig, row_split: int = 1) -> bool:
         if dtype not in _DTYPES or max_hidden not in _MAX_HIDDEN:
             return False
+        if row_split != 1:
+            # the direct split kernels only (<= 2 chunks per thread; not 16384 at split 2)
+            cfg = _split_config(config)
+            return (AttnResSm90.can_implement(dtype, max_hidden, cfg, row_split)
+                    and AttnResSm90(dtype, max_hidden, cfg, row_split).xg)
         vpt = config.vecs_per_thread
         if vpt < 1 or (max_hidden // _VEC) % vpt:
             return False
@@ -140,7 +171,22 @@ class AttnResAda:
                  has_delta: cutlass.Int32, has_out_norm: cutlass.Int32,
                  eps: cutlass.Float32, out_eps: cutlass.Float32, work: cute.Tensor,
                  stream: cuda.CUstream):
-        # work: the sm90 kernel's row-scheduler counters (shared ABI); unused here
+        if cutlass.const_expr(self._split is not None):
+            # work: the split kernel's exchange records
+            self._split(prefix, delta, blocks, norm_w, qk_w, out_norm_w, out, num_blocks,
+                        write_idx, has_delta, has_out_norm, eps, out_eps, work, stream)
+        else:
+            # work: the sm90 kernel's row-scheduler counters (shared ABI); unused here
+            self._launch_ring(prefix, delta, blocks, norm_w, qk_w, out_norm_w, out,
+                              num_blocks, write_idx, has_delta, has_out_norm, eps, out_eps,
+                              stream)
+
+    @cute.jit
+    def _launch_ring(self, prefix: cute.Tensor, delta: cute.Tensor, blocks: cute.Tensor,
+                     norm_w: cute.Tensor, qk_w: cute.Tensor, out_norm_w: cute.Tensor,
+                     out: cute.Tensor, num_blocks: cutlass.Int32, write_idx: cutlass.Int32,
+                     has_delta: cutlass.Int32, has_out_norm: cutlass.Int32,
+                     eps: cutlass.Float32, out_eps: cutlass.Float32, stream: cuda.CUstream):
         dt = self.dtype
         T, VPT, S = self.num_threads, self.vpt, self.stages
         MH = self.max_hidden

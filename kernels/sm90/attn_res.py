@@ -38,6 +38,18 @@ Design (memory bound; every source row crosses HBM once):
     next row's loads go out as soon as the row is stored. Same partials, exchanges and mix
     (same bits) as the batched schedule. H200: M=1 7.6-8.2 -> 7.0-7.1 us, M=16 8.4 -> 7.9-8.0
     (perf/results/tune_memops_h200_attn_res_direct*.json).
+  - xchg_global (config; the Ada design's split kernels, which have no clusters): the same
+    split_direct kernel as a plain launch, the C CTAs of a row group (blocks g C .. g C + C-1)
+    exchanging their totals through global memory instead of DSMEM: each total is one 8-byte
+    word (sequence number << 32 | fp32 bits) stored relaxed at gpu scope into the CTA's record
+    in `work`, and the peers poll those words until the sequence number is the expected one.
+    A word carries its own flag, so there is no fence, no flag store and no reset: sequence
+    numbers run on across launches (each CTA reads its last one from its record at entry;
+    the CTAs of a group always make the same exchanges, so they stay equal), records are
+    double-buffered by sequence parity (a peer cannot write exchange n + 2 before every CTA
+    of the group has published n + 1, i.e. has read n). Same sums in the same order as the
+    DSMEM exchange: same bits. The C CTAs of a group must be co-resident (they spin on each
+    other): a grid of at most XCH_MAX_CTAS small CTAs, dispatched in block order.
   - row_split = C > 1: segment length seg = ceil(H / (8 C)) * 8, CTA c owns
     [c seg, min(H, (c + 1) seg)) (may be empty: the producer then arrives without a copy).
     Cluster barriers: after mbarrier init (relaxed arrive, wait before the first remote
@@ -59,6 +71,7 @@ from cutlass._mlir.dialects import llvm as _llvm
 from cutlass._mlir.dialects import nvvm as _nvvm
 
 from kernels._cvt import widen
+from cutekern.abi import ATTN_RES_XCH_MAX_CTAS, ATTN_RES_XCH_OFF_WORDS, ATTN_RES_XCH_SPLITS
 
 # UBLKCP: cp.async.bulk (non-tensor) global -> shared; SYNCS: mbarrier ops.
 # No LDGSTS (cp.async 16 B path), no local memory (LDL/STL = register spills).
@@ -77,6 +90,7 @@ _SMEM_SLACK = 512  # struct alignment padding
 _MAXB = 8  # block sources per row at most (NB <= 8)
 _NV = 2 * (1 + _MAXB)  # reduced values per row in the batched schedule: (ss, dd) per source
 _MAX_LOADS = 2 + _MAXB  # bulk loads per row at most (prefix, delta, blocks)
+_XREC = 2 * _NV  # global exchange: 8-byte words per CTA record (2 parities x _NV totals)
 
 
 @dataclass(frozen=True)
@@ -127,6 +141,10 @@ class AttnResSm90Config:
         loads (K=8 with delta: 10) or launches of at least this many rows. The claim's round
         trip costs ~1 us per launch on short rows at mid M (K=1 M=512-1024: 18.9 -> 19.7 us,
         30.5 -> 31.4 in an A/B), where the imbalance it removes is smaller.
+    xchg_global: row_split > 1 (split_direct only): exchange the CTA totals through global
+        memory (sequence-tagged 8-byte words in `work`) instead of DSMEM, as a plain launch
+        without clusters (see the module docstring). The Ada design's split kernels (sm_80 /
+        sm_89 have no clusters) are this build.
     debug_timeline: diagnostics only, never exported by default: consumer thread 0 of the
         CTA(s) of row 0 records clock64 at the phases of the batched and direct schedules
         and writes the cycle counts over the first 64 bytes of its segment of out[0]
@@ -150,6 +168,7 @@ class AttnResSm90Config:
     dynamic_rows: bool = True
     dynamic_min_loads: int = 8
     dynamic_min_rows: int = 2048
+    xchg_global: bool = False
     debug_timeline: bool = False
     debug_trace: bool = False
 
@@ -182,7 +201,12 @@ def _layout_numbers(max_hidden: int, cfg: AttnResSm90Config, row_split: int):
     cap = min(_SMEM_CAPACITY, _SMEM_PER_SM // cfg.ctas_per_sm - 1024)
     if C > 1 and cpt <= 2 and cfg.split_direct:
         # split_direct: no ring (AttnResSm90 allocates a token one)
+        if cfg.xchg_global and (C not in ATTN_RES_XCH_SPLITS
+                                or cfg.num_sms * cfg.ctas_per_sm > ATTN_RES_XCH_MAX_CTAS):
+            return None  # a record per CTA of the grid in `work`
         return (nw, cpt, wq_smem, wq_bytes, 128, seg_max) if fixed <= cap else None
+    if C > 1 and cfg.xchg_global:
+        return None  # the global exchange exists for the direct kernels only
     ring = min(cfg.ring_kb * 1024, cap - fixed) // 128 * 128
     if ring < 2 * 2 * seg_max:  # >= 2 slots at max_hidden
         return None
@@ -213,6 +237,31 @@ def _st_async_f32(dst: cute.Pointer, val: Float32, mbar: cute.Pointer, peer,
     cute.arch.store_async_dsmem(dst, Int32(bits), mbar, peer, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def _f32_bits(val: Float32, *, loc=None, ip=None) -> Int32:
+    return Int32(_llvm.bitcast(Int32.mlir_type, Float32(val).ir_value(loc=loc, ip=ip),
+                               loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _bits_f32(bits: Int32, *, loc=None, ip=None) -> Float32:
+    return Float32(_llvm.bitcast(Float32.mlir_type, Int32(bits).ir_value(loc=loc, ip=ip),
+                                 loc=loc, ip=ip))
+
+
+@cute.jit
+def _xch_put(word: cute.Pointer, val: Float32, seq: Int32):
+    """Global exchange: one 8-byte word (seq << 32 | fp32 bits of val), relaxed at gpu scope:
+    single-copy atomic, so a reader that sees seq also sees val (no fence, no flag)."""
+    w = (Int64(seq) << 32) | (Int64(_f32_bits(val)) & Int64(0xFFFFFFFF))
+    cute.arch.store(word, w, sem="relaxed", scope="gpu")
+
+
+@cute.jit
+def _xch_seq(word: cute.Pointer) -> Int32:
+    return Int32(cute.arch.load(word, Int64, sem="relaxed", scope="gpu") >> 32)
+
+
 class AttnResSm90:
     def __init__(self, dtype, max_hidden: int, config: AttnResSm90Config = AttnResSm90Config(),
                  row_split: int = 1, online: bool = False):
@@ -238,6 +287,8 @@ class AttnResSm90:
         self.num_threads_c = self.num_warps_c * 32
         # split kernels with few chunks per thread: sources straight to registers (no ring)
         self.direct = row_split > 1 and self.cpt <= 2 and config.split_direct
+        # the direct kernel's exchange through global memory, no cluster (Ada design)
+        self.xg = self.direct and config.xchg_global
         self.threads_per_cta = self.num_threads_c + (0 if self.direct else 32)
         if self.direct:
             self.sass_required, self.sass_forbidden = SASS_REQUIRED_DIRECT, SASS_FORBIDDEN_DIRECT
@@ -288,6 +339,16 @@ class AttnResSm90:
             self.kernel(prefix, delta, blocks, norm_w, qk_w, out_norm_w, out, num_blocks,
                         write_idx, has_delta, has_out_norm, eps, out_eps, work).launch(
                 grid=[grid, 1, 1],
+                block=[self.threads_per_cta, 1, 1],
+                stream=stream,
+                **self._occupancy_kw(),
+            )
+        elif cutlass.const_expr(self.xg):
+            # groups of C consecutive CTAs, no cluster: the exchange goes through `work`
+            ngrp = cutlass.min(M, max(1, self.cfg.num_sms * self.cfg.ctas_per_sm // C))
+            self.kernel(prefix, delta, blocks, norm_w, qk_w, out_norm_w, out, num_blocks,
+                        write_idx, has_delta, has_out_norm, eps, out_eps, work).launch(
+                grid=[ngrp * C, 1, 1],
                 block=[self.threads_per_cta, 1, 1],
                 stream=stream,
                 **self._occupancy_kw(),
@@ -513,12 +574,31 @@ class AttnResSm90:
             tot[v] = cute.arch.shuffle_sync(val, v)
 
     @cute.jit
+    def _xch_sum(self, grp: cute.Pointer, idx: Int32, seq: Int32):
+        """Global exchange: the sum over the group's C records of word idx, once every one
+        carries sequence number seq (polled; the same tree over ranks as _vsum of the DSMEM
+        buffer, so the same bits)."""
+        C = self.row_split
+        vals = cute.make_rmem_tensor((C,), Float32)
+        done = Int32(0)
+        while done == 0:
+            done = Int32(1)
+            for r in cutlass.range_constexpr(C):
+                w = cute.arch.load(grp + (r * _XREC + idx), Int64, sem="relaxed", scope="gpu")
+                if Int32(w >> 32) != seq:
+                    done = Int32(0)
+                vals[r] = _bits_f32(Int32(w))
+        return self._tree(vals)
+
+    @cute.jit
     def _score_totals(self, part: cute.Tensor, red_s: cute.Tensor, xbuf_s: cute.Tensor, xbar,
                       tot: cute.Tensor, par: Int32, xph: Int32, rank: Int32, tidx: Int32,
-                      warp: Int32, lane: Int32, tl: cute.Tensor):
+                      warp: Int32, lane: Int32, tl: cute.Tensor, xch=None):
         """tot <- the row's (sum c^2, dot) totals of every source from the threads' partials:
         one batched butterfly (independent shuffles), one barrier, and (row_split > 1) one
-        DSMEM exchange of the CTA totals (st.async, complete_tx on each CTA's xbar)."""
+        DSMEM exchange of the CTA totals (st.async, complete_tx on each CTA's xbar), or with
+        xch = (group records, own record, sequence number) one exchange through global
+        memory (xchg_global)."""
         C = self.row_split
         # reduce-scatter butterfly: at each level a lane keeps one half of its values (the
         # upper half when its lane bit is set, padded to even) and adds the partner's copy of
@@ -556,6 +636,18 @@ class AttnResSm90:
             tl[4] = cute.arch.clock64()
         if cutlass.const_expr(C == 1):
             self._lane_totals(red_s, tot, par, lane)
+        elif cutlass.const_expr(self.xg):
+            grp, own, seq = xch
+            xo = (seq & 1) * _NV
+            if tidx < _NV:
+                _xch_put(own + (xo + tidx), self._vsum(red_s[(None, tidx, par)]), seq)
+            # lane v polls and sums value v of every rank (each warp on its own: no barrier)
+            vl = lane
+            if lane >= _NV:
+                vl = Int32(0)
+            val = self._xch_sum(grp, xo + vl, seq)
+            for v in cutlass.range_constexpr(_NV):
+                tot[v] = cute.arch.shuffle_sync(val, v)
         else:
             if tidx < _NV:
                 val = self._vsum(red_s[(None, tidx, par)])
@@ -593,7 +685,7 @@ class AttnResSm90:
     def _out_row(self, acc: cute.Tensor, gn: cute.Tensor, cp: cute.Tensor, red_n: cute.Tensor,
                  xbuf_n: cute.Tensor, xbar, par: Int32, xph: Int32, rank: Int32,
                  has_out_norm: Int32, inv_h: Float32, out_eps: Float32, tidx: Int32,
-                 warp: Int32, lane: Int32):
+                 warp: Int32, lane: Int32, xch=None):
         """cp <- bf16 of the mix acc, output-RMSNormed with weight gn when has_out_norm (one
         more reduction and, row_split > 1, one more DSMEM exchange)."""
         C = self.row_split
@@ -608,6 +700,12 @@ class AttnResSm90:
             tot_n = Float32(0.0)
             if cutlass.const_expr(C == 1):
                 tot_n = self._vsum(red_n[(None, par)])
+            elif cutlass.const_expr(self.xg):
+                grp, own, seq = xch
+                xo = (seq & 1) * _NV
+                if tidx == 0:
+                    _xch_put(own + xo, self._vsum(red_n[(None, par)]), seq)
+                tot_n = self._xch_sum(grp, xo, seq)  # one address: one request per warp
             else:
                 if tidx == 0:
                     valn = self._vsum(red_n[(None, par)])
@@ -856,7 +954,8 @@ class AttnResSm90:
                      out: cute.Tensor, cid: Int32, ncl: Int32, rank: Int32, cbase: Int32,
                      nchunk: Int32, w_idx: Int32, nsrc_b: Int32, lg_mult: Float32,
                      has_delta: Int32, has_out_norm: Int32, eps: Float32, out_eps: Float32,
-                     tidx: Int32, warp: Int32, lane: Int32, tl: cute.Tensor):
+                     tidx: Int32, warp: Int32, lane: Int32, tl: cute.Tensor,
+                     work: cute.Tensor, bid: Int32):
         """Split kernels (row_split > 1, cfg.split_direct): the batched schedule with every
         source of a row loaded straight into registers; the same arithmetic (and so the same
         bits) as _rows_batched. The first row's loads went out at kernel entry (dregs, before
@@ -881,10 +980,32 @@ class AttnResSm90:
         tb = cute.make_rmem_tensor((_MAXB,), Float32)
         eb = cute.make_rmem_tensor((_MAXB,), Float32)
 
+        # xchg_global: this group's records in `work` (region of split C, CTAs in block
+        # order) and the last sequence number this CTA published (the later of its two
+        # parities; equal in every CTA of the group). Every thread reads it before the first
+        # exchange's barrier, so no CTA overwrites it before all have read it.
+        xgrp = None
+        xown = None
+        xseq = Int32(0)
+        if cutlass.const_expr(self.xg):
+            C = self.row_split
+            rec0 = (ATTN_RES_XCH_SPLITS.index(C) * ATTN_RES_XCH_MAX_CTAS) * _XREC
+            xgrp = cute.make_ptr(
+                Int64, work.iterator.toint() + Int64(ATTN_RES_XCH_OFF_WORDS * 4)
+                + (Int64(rec0) + Int64(bid - rank) * Int64(_XREC)) * Int64(8),
+                cute.AddressSpace.gmem, assumed_align=8)
+            xown = xgrp + rank * _XREC
+            s0 = _xch_seq(xown)
+            s1 = _xch_seq(xown + _NV)
+            xseq = s1
+            if s0 - s1 == 1:
+                xseq = s0
+
         for k in cutlass.range_constexpr(CPT):
             wq[None, k].store(nw_r[None, k].load().to(Float32) * qw_r[None, k].load().to(Float32))
-        # peers store into this CTA's xbuf / xbar only after this (the kernel arrived)
-        cute.arch.cluster_wait()
+        if cutlass.const_expr(not self.xg):
+            # peers store into this CTA's xbuf / xbar only after this (the kernel arrived)
+            cute.arch.cluster_wait()
 
         it = Int32(0)
         for row in range(cid, M, ncl):
@@ -920,8 +1041,10 @@ class AttnResSm90:
                     part[3 + 2 * j] = b2
             if cutlass.const_expr(self.cfg.debug_timeline):
                 tl[3] = cute.arch.clock64()
+            if cutlass.const_expr(self.xg):
+                xseq = xseq + 1
             self._score_totals(part, red_s, xbuf_s, xbar, tot, par, xph, rank, tidx, warp,
-                               lane, tl)
+                               lane, tl, (xgrp, xown, xseq))
             if cutlass.const_expr(self.cfg.debug_timeline):
                 tl[5] = cute.arch.clock64()
             ep, inv_l = self._softmax(tot, tb, eb, nsrc_b, lg_mult, inv_h, eps)
@@ -940,8 +1063,11 @@ class AttnResSm90:
                 tl[6] = cute.arch.clock64()
 
             # ---- output RMSNorm (one more exchange), store
+            if cutlass.const_expr(self.xg):
+                if has_out_norm != 0:
+                    xseq = xseq + 1
             self._out_row(acc, gn, cp, red_n, xbuf_n, xbar, par, xph, rank, has_out_norm,
-                          inv_h, out_eps, tidx, warp, lane)
+                          inv_h, out_eps, tidx, warp, lane, (xgrp, xown, xseq))
             if cutlass.const_expr(self.cfg.debug_timeline):
                 tl[7] = cute.arch.clock64()
             self._store_row(
@@ -991,7 +1117,10 @@ class AttnResSm90:
             cbase = Int32(0)
             nchunk = H // _CHUNK
         else:
-            rank = cute.arch.block_idx_in_cluster()
+            if cutlass.const_expr(self.xg):
+                rank = bid % C  # groups of C consecutive CTAs, no cluster
+            else:
+                rank = cute.arch.block_idx_in_cluster()
             cid = bid // C
             ncl = nblk // C
             # segment of CTA `rank`: [rank * seg, min(H, (rank + 1) * seg)), maybe empty
@@ -1050,7 +1179,9 @@ class AttnResSm90:
         # lane 0 of every warp initializes every (NW + 1)-th used mbarrier pair. One thread
         # per pair within a warp was ~3900 cycles (2 us) at M = 1: the init takes a uniform
         # address, so the lanes of a warp run one after another (debug_timeline, H200).
-        if cutlass.const_expr(self.direct):
+        if cutlass.const_expr(self.xg):
+            pass  # no mbarriers: the exchange polls global memory
+        elif cutlass.const_expr(self.direct):
             if (lane == 0) & (warp == 0):
                 for i in cutlass.range_constexpr(4):
                     cute.arch.mbarrier_init(xbar + i, 1)
@@ -1063,66 +1194,70 @@ class AttnResSm90:
                 for i in cutlass.range_constexpr(4):
                     cute.arch.mbarrier_init(xbar + i, 1)
             cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()
+        if cutlass.const_expr(not self.xg):
+            cute.arch.barrier()
         if cutlass.const_expr(self.cfg.debug_timeline):
             tl[1] = cute.arch.clock64()
-        if cutlass.const_expr(C > 1):
+        if cutlass.const_expr(C > 1 and not self.xg):
             # peers store into this CTA's xbuf / xbar only after this cluster barrier
             cute.arch.cluster_arrive_relaxed()
 
         # ------------------------------------------------------------ producer warp
-        if warp == NW and cutlass.const_expr(not self.direct):
-            # row_split = 1: the consumers' norm_w / qk_w loads go out first; issued behind
-            # the ring's bulk copies (up to a full ring per SM) they waited ~7-11 us for the
-            # copies to drain (debug_timeline, H200: M=256 25.4 -> 23.6 us). The split
-            # kernels (small M, a short ring) start their copies at once: latency first.
-            if cutlass.const_expr(C == 1):
-                cute.arch.barrier(barrier_id=2, number_of_threads=NT + 32)
-            if lane == 0:
-                slot = Int32(0)
-                phase = Int32(0)
-                row = cid
-                while row < M:
-                    r64 = Int64(row)
-                    if dyn != 0:
-                        # the consumers read the row of a prefix slot once it is full (the
-                        # full barrier's arrive below releases this store)
-                        cute.arch.mbarrier_wait(empty + slot, phase ^ 1)
-                        rowid[slot] = row
-                    slot, phase = self._produce(
-                        full, empty, ring, slot, phase, n_st,
-                        prefix.iterator + cute.assume(r64 * Int64(s_pre) + cb64, divby=_CHUNK),
-                        seg, nbytes)
-                    if has_delta != 0:
+        # (the direct kernels have no producer warp; a const gate, so that nothing of it is
+        # traced for them: the Ada design builds them for sm_80 / sm_89)
+        if cutlass.const_expr(not self.direct):
+            if warp == NW:
+                # row_split = 1: the consumers' norm_w / qk_w loads go out first; issued behind
+                # the ring's bulk copies (up to a full ring per SM) they waited ~7-11 us for the
+                # copies to drain (debug_timeline, H200: M=256 25.4 -> 23.6 us). The split
+                # kernels (small M, a short ring) start their copies at once: latency first.
+                if cutlass.const_expr(C == 1):
+                    cute.arch.barrier(barrier_id=2, number_of_threads=NT + 32)
+                if lane == 0:
+                    slot = Int32(0)
+                    phase = Int32(0)
+                    row = cid
+                    while row < M:
+                        r64 = Int64(row)
+                        if dyn != 0:
+                            # the consumers read the row of a prefix slot once it is full (the
+                            # full barrier's arrive below releases this store)
+                            cute.arch.mbarrier_wait(empty + slot, phase ^ 1)
+                            rowid[slot] = row
                         slot, phase = self._produce(
                             full, empty, ring, slot, phase, n_st,
-                            delta.iterator + cute.assume(r64 * Int64(s_del) + cb64,
-                                                         divby=_CHUNK),
+                            prefix.iterator + cute.assume(r64 * Int64(s_pre) + cb64, divby=_CHUNK),
                             seg, nbytes)
-                    for i in range(K):
-                        if i != w_idx:
-                            off = r64 * Int64(s_bm) + Int64(i) * Int64(s_bn) + cb64
+                        if has_delta != 0:
                             slot, phase = self._produce(
                                 full, empty, ring, slot, phase, n_st,
-                                blocks.iterator + cute.assume(off, divby=_CHUNK), seg, nbytes)
+                                delta.iterator + cute.assume(r64 * Int64(s_del) + cb64,
+                                                             divby=_CHUNK),
+                                seg, nbytes)
+                        for i in range(K):
+                            if i != w_idx:
+                                off = r64 * Int64(s_bm) + Int64(i) * Int64(s_bn) + cb64
+                                slot, phase = self._produce(
+                                    full, empty, ring, slot, phase, n_st,
+                                    blocks.iterator + cute.assume(off, divby=_CHUNK), seg, nbytes)
+                        if dyn != 0:
+                            row = ncl + cute.arch.atomic_add(work.iterator, Int32(1))
+                        else:
+                            row = row + ncl
                     if dyn != 0:
-                        row = ncl + cute.arch.atomic_add(work.iterator, Int32(1))
-                    else:
-                        row = row + ncl
-                if dyn != 0:
-                    # no more rows: a slot whose row is -1 ends the consumers' loop
-                    cute.arch.mbarrier_wait(empty + slot, phase ^ 1)
-                    rowid[slot] = Int32(-1)
-                    cute.arch.mbarrier_arrive(full + slot)
-                    # the last CTA past its last claim zeroes the counters for the next
-                    # launch (every CTA's claims precede its increment of work[1])
-                    fin = cute.arch.atomic_add(work.iterator + 1, Int32(1), sem="acq_rel",
-                                               scope="gpu")
-                    if fin == ncl - 1:
-                        work[0] = Int32(0)
-                        work[1] = Int32(0)
-            if cutlass.const_expr(C > 1):
-                cute.arch.cluster_wait()
+                        # no more rows: a slot whose row is -1 ends the consumers' loop
+                        cute.arch.mbarrier_wait(empty + slot, phase ^ 1)
+                        rowid[slot] = Int32(-1)
+                        cute.arch.mbarrier_arrive(full + slot)
+                        # the last CTA past its last claim zeroes the counters for the next
+                        # launch (every CTA's claims precede its increment of work[1])
+                        fin = cute.arch.atomic_add(work.iterator + 1, Int32(1), sem="acq_rel",
+                                                   scope="gpu")
+                        if fin == ncl - 1:
+                            work[0] = Int32(0)
+                            work[1] = Int32(0)
+                if cutlass.const_expr(C > 1):
+                    cute.arch.cluster_wait()
 
         # --------------------------------------------------------- consumer warps
         if warp < NW:
@@ -1180,7 +1315,7 @@ class AttnResSm90:
                                   prefix, delta,
                                   blocks, out_norm_w, out, cid, ncl, rank, cbase, nchunk,
                                   w_idx, nsrc_b, lg_mult, has_delta, has_out_norm, eps,
-                                  out_eps, tidx, warp, lane, tl)
+                                  out_eps, tidx, warp, lane, tl, work, bid)
             elif cutlass.const_expr(C > 1):
                 # always batched: can_implement guarantees a ring of >= _MAX_LOADS segments
                 self._rows_batched(ring, full, empty, xbar, red_s, red_n, xbuf_s, xbuf_n,
@@ -1199,7 +1334,7 @@ class AttnResSm90:
                                   out_norm_w, out, K, w_idx, lg_mult, has_delta,
                                   has_out_norm, eps, out_eps, tidx, warp, lane, n_st, inv_h)
 
-        if cutlass.const_expr(C > 1):
+        if cutlass.const_expr(C > 1 and not self.xg):
             # no CTA exits while a peer may still store into its shared memory. Every store
             # into a CTA is tx-counted on an mbarrier that the CTA waited on, so only the
             # execution order matters here: relaxed arrive (no MEMBAR.GPU on the exit path)

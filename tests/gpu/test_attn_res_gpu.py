@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from cutekern.abi import ATTN_RES_WORK_WORDS
 from cutekern.attn_res import attn_res, prepare_attn_res
 from cutekern.reference import attn_res_reference
 
@@ -91,11 +92,12 @@ def test_hidden_sizes(design, h):
 @pytest.mark.parametrize("m,h,k,w", [(1, 7168, 8, -1), (100, 7168, 7, 2), (41, 16384, 5, 5),
                                      (19, 8200, 0, 0), (70, 1032, 3, -1), (9, 40, 3, -1)])
 def test_forced_row_split(design, monkeypatch, split, m, h, k, w):
-    """The cluster-split sm90 kernels at any M: several rows per cluster (the direct kernels
-    prefetch the next row's sources), both hidden tiers (16384 at split 2 keeps the ring),
-    empty slices (small H over 8 CTAs), K = 0 and w < K."""
-    if design != "sm90":
-        pytest.skip("row splits are an sm90-design variant")
+    """The split kernels at any M (sm90: clusters exchanging through DSMEM; Ada: groups of
+    CTAs exchanging through global memory): several rows per group (the direct kernels
+    prefetch the next row's sources), both hidden tiers (sm90's 16384 at split 2 keeps the
+    ring; Ada has no such build), empty slices (small H over 8 CTAs), K = 0 and w < K."""
+    if design == "ada" and h > 8192 and split == 2:
+        pytest.skip("the Ada design has no 16384-tier build over 2 CTAs")
     monkeypatch.setenv("CUTEKERN_ATTN_RES_SPLIT", str(split))
     run_case(m, 8, h, k, w, seed=split * 1000 + m)
 
@@ -132,7 +134,9 @@ def test_fuzz(design, m, nb, h8, data, delta, onorm, seed):
     run_case(m, nb, 8 * h8, k, w, seed, delta=delta, onorm=onorm, row_pad=pad)
 
 
-@pytest.mark.parametrize("m", [96, 300])  # sm90: the cluster-split kernel / dynamic rows
+# 8: the split kernels (Ada: exchange records in the runner's work buffer); 96 / 300: one
+# CTA per row (sm90: static / dynamic rows)
+@pytest.mark.parametrize("m", [8, 96, 300])
 def test_graph_capture_and_replay_with_new_contents(design, warm_graph_pool, m):
     nb, h, k, w = 8, 7168, 7, 7
     prefix, d, blocks, nw, qw, onw = make(m, nb, h, 1)
@@ -155,7 +159,58 @@ def test_graph_capture_and_replay_with_new_contents(design, warm_graph_pool, m):
         torch.cuda.synchronize()
         check(prefix, d, blocks, nw, qw, onw, k, w, out, ref_in)
     # the row-scheduler counters are back to zero after every launch
-    assert runner._work.tolist() == [0, 0]
+    assert runner._work[:2].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("m,split,h", [(1, 8, 7168), (5, 8, 1032), (16, 4, 7168), (9, 4, 12344),
+                                       (40, 2, 7168), (100, 2, 7168), (30, 8, 12344)])
+def test_split_designs_agree_bitwise(monkeypatch, m, split, h):
+    """The Ada design's split kernels (totals exchanged through global memory) and the sm90
+    ones (DSMEM): the same sums in the same order, so the same bits in every output."""
+    monkeypatch.setenv("CUTEKERN_ATTN_RES_SPLIT", str(split))
+    res = {}
+    for d in ("sm90", "ada"):
+        monkeypatch.setenv("CUTEKERN_DESIGN", d)
+        prefix, dd, blocks, nw, qw, onw = make(m, 8, h, seed=m + split)
+        out = torch.full((m, h), float("nan"), dtype=BF16, device="cuda")
+        runner = prepare_attn_res(prefix, dd, blocks, nw, qw, onw, out, num_blocks=8,
+                                  block_write_idx=3)
+        assert runner._work.numel() == (2 if d == "sm90" else ATTN_RES_WORK_WORDS)
+        runner.launch()
+        torch.cuda.synchronize()
+        res[d] = (out, prefix, blocks)
+    for name, a, b in zip(("out", "prefix", "blocks"), res["sm90"], res["ada"]):
+        assert torch.equal(a, b), f"{name}: {(a != b).sum().item()} elements differ"
+
+
+def test_split_exchange_state_across_launches(design):
+    """The split kernels' exchange state (Ada: sequence numbers in the work buffer) carries
+    over between launches: one-shot calls on one stream (one shared buffer) with M and
+    so splits and groups changing from call to call, with and without the output norm (1 or
+    2 exchanges per row), twice round, and a runner launched between them; every call checked
+    (a stale or skipped exchange would hang or give wrong sums)."""
+    nb = 8
+    cases = [(1, 7168, 8, -1, True), (13, 7168, 5, 2, True), (40, 1032, 8, 7, False),
+             (3, 12344, 0, 0, True), (16, 7168, 8, -1, False), (64, 2056, 3, -1, True)]
+    prefix, d, blocks, nw, qw, onw = make(7, nb, 7168, 77)
+    out_r = torch.empty((7, 7168), dtype=BF16, device="cuda")
+    runner = prepare_attn_res(prefix, d, blocks, nw, qw, onw, out_r, num_blocks=6)
+    for rnd in range(2):
+        for i, (m, h, k, w, onorm) in enumerate(cases):
+            args = make(m, nb, h, 100 * rnd + i, onorm=onorm)
+            ref_in = tuple(None if t is None else t.clone() for t in args)
+            out = torch.full((m, h), float("nan"), dtype=BF16, device="cuda")
+            attn_res(*args, out=out, num_blocks=k, block_write_idx=w)
+            torch.cuda.synchronize()
+            check(*args, k, w, out, ref_in)
+            src = make(7, nb, 7168, 1000 * rnd + i)
+            for dst, t in zip((prefix, d, blocks), src[:3]):
+                dst.copy_(t)
+            ref_r = (prefix.clone(), d.clone(), blocks.clone(), nw, qw, onw)
+            out_r.fill_(float("nan"))
+            runner.launch()
+            torch.cuda.synchronize()
+            check(prefix, d, blocks, nw, qw, onw, 6, -1, out_r, ref_r)
 
 
 @pytest.mark.parametrize("m", [133, 1000])
