@@ -115,21 +115,27 @@ class AttnResRunner:
         return (self.num_blocks + 4) * self.m * self.hidden * 2
 
 
-# rows per launch up to which a row is split over the CTAs of a cluster (sm90 design):
-# with far fewer rows than SMs, one CTA per row leaves most of the GPU idle and each row's
-# sources stream through one SM. Picked from H200 sweeps (H=7168, K=8): split 8 up to M=12,
-# 4 at M=13..16, 2 at M=17..64, 1 from M=128. With the benchmark's timing (graph replay after
-# the zeroing L2 flush, 5 interleaved rounds, perf/results/ab_attn_res_split_h200.json): M=8
-# 7.04 (split 8) vs 7.26 us (split 4), M=12 7.14 vs 7.33, M=16 7.78 vs 7.49. (An earlier A/B
-# in the tune harness, with a gentler flush, had split 8 ahead at M=16: 7.4-7.6 vs 7.6-7.8.)
-_SPLIT_FOR_ROWS = ((12, 8), (16, 4), (64, 2))
+# rows per launch up to which a row is split over a group of CTAs, per design: with far
+# fewer rows than SMs, one CTA per row leaves most of the GPU idle and each row's sources
+# stream through one SM. H200, H=7168, K=8, graph replay after the zeroing L2 flush
+# (perf/results/tune_memops_h200_attn_res_ada_split.json, two rounds each; us):
+# - sm90 (clusters, DSMEM): split 8 up to M=12 (M=4 6.5 vs 6.6-6.7 at split 4, M=8 6.6-6.7 vs
+#   6.8-6.9, M=12 7.1-7.2 both), 4 up to M=28 (M=16 7.2-7.3 vs 7.6 at split 8; M=24 7.6-7.7
+#   vs 8.0-8.1 at split 2; M=28 7.8 vs 8.2; but M=32 11.2-11.5, apparently more clusters of
+#   4 than run at once), 2 up to M=64. (The benchmark's own A/B before, 5 rounds: M=16 7.49 split 4
+#   vs 7.78 split 8, perf/results/ab_attn_res_split_h200.json.)
+# - ada (no clusters, exchange through global memory): the largest split whose groups, one
+#   per row, fit 132 CTAs: 8 up to M=16 (M=1 6.9 vs 7.1-7.3 at split 4, M=8..16 within
+#   +-0.2 us), 4 up to 32 (M=20 8.7-8.8 vs 11.2-11.5 at split 8, M=32 9.3 vs 10.1-10.2 at
+#   split 2), 2 up to 64 (M=40 10.3-10.4 vs 12.3-12.5, M=64 11.5 vs 14.8 unsplit; M=96 a tie).
+_SPLIT_FOR_ROWS = {"sm90": ((12, 8), (28, 4), (64, 2)), "ada": ((16, 8), (32, 4), (64, 2))}
 
 
 def _row_split(m, design, tier):
     from .registry import OPS
     have = {dict(f)["row_split"] for _, f in OPS["attn_res"].variants_for(design)
             if dict(f)["max_hidden"] == tier}
-    for rows, split in _SPLIT_FOR_ROWS:
+    for rows, split in _SPLIT_FOR_ROWS.get(design, ()):
         if m <= rows and split in have:
             return split
     return 1

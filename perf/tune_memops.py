@@ -87,7 +87,8 @@ def _attn_res(design, splits, row):
                 print(f"  WRONG split={split} m={m} h={h} k={k} w={w}", flush=True)
             ok &= good
         h, nb = 7168, 8
-        for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096):
+        ms = os.environ.get("TUNE_AR_M", "1,2,4,8,16,32,64,128,256,512,1024,4096")  # timed M
+        for m in map(int, ms.split(",")):
             prefix, d, blocks = torch.randn(m, h, device="cuda").to(bf), torch.randn(m, h, device="cuda").to(bf), \
                 torch.randn(m, nb, h, device="cuda").to(bf)
             nw = qw = onw = torch.ones(h, device="cuda", dtype=bf)

@@ -170,12 +170,13 @@ def test_bgmv_validation_names_the_argument():
 
 
 def test_attn_res_kernel_choice(monkeypatch):
-    """sm_90a: the cluster-split sm90 kernel for small M (split 8 up to 12 rows, 4 up to 16,
+    """sm_90a: the cluster-split sm90 kernel for small M (split 8 up to 12 rows, 4 up to 28,
     2 up to 64), the sm90 kernel from M = 128, in its online-schedule build for rows of at most
     one block source and for launches of at most 2048 loads (M * (K + 2)), hidden tier 8192;
     the Ada-design kernel for K <= 1 from M = 8192; a design forced by $CUTEKERN_DESIGN is
-    kept; the Ada design splits small M by the same rule (its split builds exchange through
-    global memory) where it has the build (not the 16384 tier over 2 CTAs); designs without
+    kept; the Ada design splits small M by its own rule (split 8 up to 16 rows, 4 up to 32,
+    2 up to 64: its split builds exchange through global memory, no clusters) where it has the
+    build (not the 16384 tier over 2 CTAs); designs without
     splits never get one; other arches keep their design."""
     from cutekern.attn_res import choose_kernel
     monkeypatch.delenv("CUTEKERN_DESIGN", raising=False)
@@ -185,7 +186,8 @@ def test_attn_res_kernel_choice(monkeypatch):
     assert choose_kernel(12, 7168, "sm_90a", "sm90")[1]["row_split"] == 8
     assert choose_kernel(13, 7168, "sm_90a", "sm90")[1]["row_split"] == 4
     assert choose_kernel(16, 7168, "sm_90a", "sm90")[1]["row_split"] == 4
-    assert choose_kernel(17, 7168, "sm_90a", "sm90")[1]["row_split"] == 2
+    assert choose_kernel(28, 7168, "sm_90a", "sm90")[1]["row_split"] == 4
+    assert choose_kernel(29, 7168, "sm_90a", "sm90")[1]["row_split"] == 2
     assert choose_kernel(64, 7168, "sm_90a", "sm90", 1) == sm90(8192, 2)
     assert choose_kernel(128, 7168, "sm_90a", "sm90", 8) == sm90(8192, 1, True)
     assert choose_kernel(204, 7168, "sm_90a", "sm90", 8) == sm90(8192, 1, True)
@@ -201,11 +203,14 @@ def test_attn_res_kernel_choice(monkeypatch):
     assert choose_kernel(4096, 12344, "sm_90a", "sm90") == sm90(16384, 1)
     ada = lambda h, r: ("ada", {"max_hidden": h, "row_split": r})  # noqa: E731
     assert choose_kernel(1, 7168, "sm_89", "ada") == ada(8192, 8)
-    assert choose_kernel(16, 7168, "sm_80", "ada") == ada(8192, 4)
+    assert choose_kernel(16, 7168, "sm_80", "ada") == ada(8192, 8)
+    assert choose_kernel(17, 7168, "sm_80", "ada") == ada(8192, 4)
+    assert choose_kernel(32, 7168, "sm_89", "ada") == ada(8192, 4)
+    assert choose_kernel(33, 7168, "sm_89", "ada") == ada(8192, 2)
     assert choose_kernel(64, 7168, "sm_89", "ada") == ada(8192, 2)
     assert choose_kernel(65, 7168, "sm_89", "ada") == ada(8192, 1)
-    assert choose_kernel(16, 12344, "sm_89", "ada") == ada(16384, 4)
-    assert choose_kernel(17, 12344, "sm_89", "ada") == ada(16384, 1)
+    assert choose_kernel(32, 12344, "sm_89", "ada") == ada(16384, 4)
+    assert choose_kernel(33, 12344, "sm_89", "ada") == ada(16384, 1)
     assert choose_kernel(1, 7168, "sm_100a", "sm100") == ("sm100", {"max_hidden": 8192,
                                                                     "row_split": 1})
     assert choose_kernel(300, 7168, "sm_90a", "ada") == ada(8192, 1)
