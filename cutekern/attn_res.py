@@ -122,8 +122,8 @@ class AttnResRunner:
 # - sm90 (clusters, DSMEM): split 8 up to M=12 (M=4 6.5 vs 6.6-6.7 at split 4, M=8 6.6-6.7 vs
 #   6.8-6.9, M=12 7.1-7.2 both), 4 up to M=28 (M=16 7.2-7.3 vs 7.6 at split 8; M=24 7.6-7.7
 #   vs 8.0-8.1 at split 2; M=28 7.8 vs 8.2; but M=32 11.2-11.5, apparently more clusters of
-#   4 than run at once), 2 up to M=64. (The benchmark's own A/B before, 5 rounds: M=16 7.49 split 4
-#   vs 7.78 split 8, perf/results/ab_attn_res_split_h200.json.)
+#   4 than run at once), 2 up to M=64. (The benchmark's own A/B before, 5 rounds: M=16 7.49
+#   split 4 vs 7.78 split 8, perf/results/ab_attn_res_split_h200.json.)
 # - ada (no clusters, exchange through global memory): the largest split whose groups, one
 #   per row, fit 132 CTAs: 8 up to M=16 (M=1 6.9 vs 7.1-7.3 at split 4, M=8..16 within
 #   +-0.2 us), 4 up to 32 (M=20 8.7-8.8 vs 11.2-11.5 at split 8, M=32 9.3 vs 10.1-10.2 at

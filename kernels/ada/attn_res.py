@@ -33,7 +33,7 @@ Design (memory-bound, every source row read from HBM once, no second pass):
   butterfly over the per-warp sums; the slots are double-buffered by a reduction
   counter so consecutive reductions never need a second barrier.
 
-Small M (row_split > 1, the same build rule as the sm90 design's): one CTA per row leaves
+Small M (row_split > 1; cutekern.attn_res picks the split per M): one CTA per row leaves
 most SMs idle and streams each row through one SM, so a row is split over a group of C
 CTAs. That build is the sm90 design's split_direct kernel (16-byte loads straight into
 registers, nothing an sm_80 SM lacks) with its DSMEM exchange replaced by one through

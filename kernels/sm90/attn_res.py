@@ -1226,7 +1226,8 @@ class AttnResSm90:
                             rowid[slot] = row
                         slot, phase = self._produce(
                             full, empty, ring, slot, phase, n_st,
-                            prefix.iterator + cute.assume(r64 * Int64(s_pre) + cb64, divby=_CHUNK),
+                            prefix.iterator + cute.assume(r64 * Int64(s_pre) + cb64,
+                                                          divby=_CHUNK),
                             seg, nbytes)
                         if has_delta != 0:
                             slot, phase = self._produce(
@@ -1239,7 +1240,8 @@ class AttnResSm90:
                                 off = r64 * Int64(s_bm) + Int64(i) * Int64(s_bn) + cb64
                                 slot, phase = self._produce(
                                     full, empty, ring, slot, phase, n_st,
-                                    blocks.iterator + cute.assume(off, divby=_CHUNK), seg, nbytes)
+                                    blocks.iterator + cute.assume(off, divby=_CHUNK), seg,
+                                    nbytes)
                         if dyn != 0:
                             row = ncl + cute.arch.atomic_add(work.iterator, Int32(1))
                         else:
