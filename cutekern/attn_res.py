@@ -128,7 +128,10 @@ class AttnResRunner:
 #   per row, fit 132 CTAs: 8 up to M=16 (M=1 6.9 vs 7.1-7.3 at split 4, M=8..16 within
 #   +-0.2 us), 4 up to 32 (M=20 8.7-8.8 vs 11.2-11.5 at split 8, M=32 9.3 vs 10.1-10.2 at
 #   split 2), 2 up to 64 (M=40 10.3-10.4 vs 12.3-12.5, M=64 11.5 vs 14.8 unsplit; M=96 a tie).
-_SPLIT_FOR_ROWS = {"sm90": ((12, 8), (28, 4), (64, 2)), "ada": ((16, 8), (32, 4), (64, 2))}
+# - sm100 (clusters, DSMEM: the sm90 split kernel built for sm_100a / sm_103a): the sm90 rule,
+#   never measured (no SM100 GPU here).
+_SPLIT_FOR_ROWS = {"sm90": ((12, 8), (28, 4), (64, 2)), "ada": ((16, 8), (32, 4), (64, 2)),
+                   "sm100": ((12, 8), (28, 4), (64, 2))}
 
 
 def _row_split(m, design, tier):

@@ -157,10 +157,11 @@ OPS: dict = {
         abi=_abi.attn_res_abi,
         designs=_impls("attn_res", "AttnRes", "AttnRes"),
         variants=_attn_res_variants(),
-        # Ada's split kernels hold <= 2 chunks of a row per thread in registers: not the
-        # 16384 tier over 2 CTAs
+        # the Ada and sm100 split kernels hold <= 2 chunks of a row per thread in
+        # registers: not the 16384 tier over 2 CTAs
         design_variants=(("sm90", _attn_res_variants((1, 2, 4, 8), online=True)),
-                         ("ada", _attn_res_variants((1, 2, 4, 8), skip=((16384, 2),)))),
+                         ("ada", _attn_res_variants((1, 2, 4, 8), skip=((16384, 2),))),
+                         ("sm100", _attn_res_variants((1, 2, 4, 8), skip=((16384, 2),)))),
         make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["max_hidden"], cfg, row_split=fl["row_split"],
                                       **({"online": fl["online"]} if "online" in fl else {})),
         doc="Kimi attention residuals: softmax over depth of block snapshots, fused serving form",

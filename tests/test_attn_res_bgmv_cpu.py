@@ -175,9 +175,9 @@ def test_attn_res_kernel_choice(monkeypatch):
     one block source and for launches of at most 2048 loads (M * (K + 2)), hidden tier 8192;
     the Ada-design kernel for K <= 1 from M = 8192; a design forced by $CUTEKERN_DESIGN is
     kept; the Ada design splits small M by its own rule (split 8 up to 16 rows, 4 up to 32,
-    2 up to 64: its split builds exchange through global memory, no clusters) where it has the
-    build (not the 16384 tier over 2 CTAs); designs without
-    splits never get one; other arches keep their design."""
+    2 up to 64: its split builds exchange through global memory, no clusters) and the sm100
+    design by the sm90 rule, where each has the build (not the 16384 tier over 2 CTAs); other
+    arches keep their design."""
     from cutekern.attn_res import choose_kernel
     monkeypatch.delenv("CUTEKERN_DESIGN", raising=False)
     monkeypatch.delenv("CUTEKERN_ATTN_RES_SPLIT", raising=False)
@@ -211,8 +211,12 @@ def test_attn_res_kernel_choice(monkeypatch):
     assert choose_kernel(65, 7168, "sm_89", "ada") == ada(8192, 1)
     assert choose_kernel(32, 12344, "sm_89", "ada") == ada(16384, 4)
     assert choose_kernel(33, 12344, "sm_89", "ada") == ada(16384, 1)
-    assert choose_kernel(1, 7168, "sm_100a", "sm100") == ("sm100", {"max_hidden": 8192,
-                                                                    "row_split": 1})
+    sm100 = lambda h, r: ("sm100", {"max_hidden": h, "row_split": r})  # noqa: E731
+    assert choose_kernel(1, 7168, "sm_100a", "sm100") == sm100(8192, 8)
+    assert choose_kernel(20, 7168, "sm_103a", "sm100") == sm100(8192, 4)
+    assert choose_kernel(64, 7168, "sm_100a", "sm100") == sm100(8192, 2)
+    assert choose_kernel(64, 12344, "sm_100a", "sm100") == sm100(16384, 1)
+    assert choose_kernel(128, 7168, "sm_100a", "sm100") == sm100(8192, 1)
     assert choose_kernel(300, 7168, "sm_90a", "ada") == ada(8192, 1)
     assert choose_kernel(1, 7168, "sm_90a", "ada") == ada(8192, 8)
     assert choose_kernel(4096, 7168, "sm_100a", "sm100", 1)[0] == "sm100"

@@ -80,14 +80,14 @@ def test_source_hash_covers_dsl_version_and_source(session_cache, tmp_path, monk
 
 def test_source_hash_covers_sibling_kernels():
     """bgmv_binplan runs the shrink's and the expand's device code, and the Ada design's BGMV
-    kernels and AttnRes split kernels run the sm90 ones (another design's module): editing
+    kernels and the Ada and sm100 AttnRes split kernels run the sm90 ones: editing
     one changes the hash of every op that runs it (a stale kernel would otherwise be served
     from the cache)."""
     from cutekern import compile as ck
     ck.source_hash.cache_clear()
     users = {"bgmv_shrink.py": (("bgmv_binplan", "sm90"), ("bgmv_shrink", "ada")),
              "bgmv_expand.py": (("bgmv_binplan", "sm90"), ("bgmv_expand", "ada")),
-             "attn_res.py": (("attn_res", "ada"),)}
+             "attn_res.py": (("attn_res", "ada"), ("attn_res", "sm100"))}
     before = {u: ck.source_hash(*u) for us in users.values() for u in us}
     for name, us in users.items():
         src = ck._REPO_ROOT / "kernels" / "sm90" / name

@@ -89,6 +89,9 @@ ATTN_RES_SM90_DIRECT = ({"LDG", "SYNCS"}, {"LDGSTS", "UBLKCP"})
 # with the exchange through global memory: no mbarrier, no cluster barrier, no ring.
 ATTN_RES_ADA_SPLIT = ({"LDG", "STG"},
                       {"LDGSTS", "UBLKCP", "SYNCS", "UCGABAR_ARV", "UCGABAR_WAIT", "UTMALDG"})
+# The sm100 design's split kernels are the sm90 ones built for sm_100a / sm_103a: registers
+# and the DSMEM exchange, no ring and no tensor memory.
+ATTN_RES_SM100_SPLIT = ({"LDG", "SYNCS"}, {"LDGSTS", "UBLKCP", "STTM", "LDTM"})
 
 
 def _fingerprint(e):
@@ -97,6 +100,8 @@ def _fingerprint(e):
         return ATTN_RES_SM90_DIRECT
     if (e["op"], e["design"]) == ("attn_res", "ada") and e["flags"]["row_split"] > 1:
         return ATTN_RES_ADA_SPLIT
+    if (e["op"], e["design"]) == ("attn_res", "sm100") and e["flags"]["row_split"] > 1:
+        return ATTN_RES_SM100_SPLIT
     return OP_FINGERPRINTS.get((e["op"], e["design"])) or FINGERPRINTS[e["design"]]
 
 

@@ -42,6 +42,12 @@ Design (the spec's tensor-memory design; compiled and SASS-checked only, never r
 Tails: every unit is predicated on u < H / 4 (H % 8 == 0 so H / 4 is whole); the TMEM
 ld/st are warp-collective and run for every j < ceil(H / 1024) (CTA-uniform), invalid
 units carry zeros. K = 0: one source p, weight 1, mix = p.
+
+Small M (row_split > 1; cutekern.attn_res picks the split per M): one CTA per row leaves
+most SMs idle, so a row is split over a cluster of C CTAs. That build is the sm90 design's
+split_direct kernel (every source of the row straight into registers by 16-byte loads, the
+CTA totals exchanged through DSMEM: nothing in it is sm90-only), built for sm_100a /
+sm_103a; compiled and SASS-checked only, like the rest of this design.
 """
 from __future__ import annotations
 
@@ -57,6 +63,8 @@ from cutlass.cute.nvgpu import tcgen05
 from cutlass.experimental import primitives as _prims
 from cutlass.memory import SmemAllocator, TmemAllocator
 
+from kernels.sm90.attn_res import AttnResSm90, AttnResSm90Config
+
 # STTM: tcgen05.st (rows converted once to fp32 into tensor memory); LDTM: tcgen05.ld (the
 # mix pass reads the sources back from TMEM); UBLKCP: cp.async.bulk global -> shared (the
 # loader's one-copy-per-source-row); SYNCS: the mbarriers of the shared-memory ring.
@@ -64,6 +72,10 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 # mix accumulator / unit state spilled to local memory.
 SASS_REQUIRED = ("STTM", "LDTM", "UBLKCP", "SYNCS")
 SASS_FORBIDDEN = ("LDGSTS", "LDL", "STL")  # exact mnemonics
+# split builds: 16-byte loads to registers (LDG), the DSMEM exchange's mbarriers (SYNCS);
+# no ring, no tensor memory
+SASS_REQUIRED_SPLIT = ("LDG", "SYNCS")
+SASS_FORBIDDEN_SPLIT = ("LDGSTS", "UBLKCP", "STTM", "LDTM", "LDL", "STL")
 
 _SMEM_CAPACITY = 232448  # (228 - 1) KiB per-CTA opt-in maximum on sm_100 / sm_103
 _SMEM_RESERVED = 4 * 1024  # mbarriers, TMEM slot, reduction scratch, 1 KiB alignment slack
@@ -88,6 +100,13 @@ class AttnResSm100Config:
     compute_warps: int = 8
     max_stages: int = 10
     sm_count: int = 148
+    # row_split > 1: compute warps per CTA at most (the sm90 split kernels' bound)
+    split_consumer_warps: int = 8
+
+
+def _split_config(config: AttnResSm100Config) -> AttnResSm90Config:
+    return AttnResSm90Config(split_consumer_warps=config.split_consumer_warps,
+                             num_sms=config.sm_count, ctas_per_sm=1, split_direct=True)
 
 
 def _stages_that_fit(max_hidden: int, cfg: AttnResSm100Config) -> int:
@@ -97,11 +116,15 @@ def _stages_that_fit(max_hidden: int, cfg: AttnResSm100Config) -> int:
 
 class AttnResSm100:
     def __init__(self, dtype, max_hidden: int, config: AttnResSm100Config = AttnResSm100Config(), row_split: int = 1):
-        if row_split != 1:  # the split-row (cluster) schedule exists in the sm90 design only
-            raise ValueError(f"{type(self).__name__}: row_split must be 1, got {row_split}")
-        if not AttnResSm100.can_implement(dtype, max_hidden, config):
+        if not AttnResSm100.can_implement(dtype, max_hidden, config, row_split):
             raise ValueError(f"AttnResSm100 cannot implement {dtype} max_hidden={max_hidden} "
-                             f"with {config}")
+                             f"row_split={row_split} with {config}")
+        self.row_split = row_split
+        # row_split > 1: the sm90 cluster-split kernel (module docstring)
+        self._split = None
+        if row_split > 1:
+            self._split = AttnResSm90(dtype, max_hidden, _split_config(config), row_split)
+            self.sass_required, self.sass_forbidden = SASS_REQUIRED_SPLIT, SASS_FORBIDDEN_SPLIT
         self.dtype = dtype
         self.max_hidden = max_hidden
         self.cfg = config
@@ -117,10 +140,15 @@ class AttnResSm100:
         self.tmem_bar_id = 2
 
     @staticmethod
-    def can_implement(dtype, max_hidden, config: AttnResSm100Config = AttnResSm100Config()
-                      ) -> bool:
+    def can_implement(dtype, max_hidden, config: AttnResSm100Config = AttnResSm100Config(),
+                      row_split: int = 1) -> bool:
         if dtype is not cutlass.BFloat16:
             return False
+        if row_split != 1:
+            # the direct split kernels only (<= 2 chunks per thread; not 16384 at split 2)
+            cfg = _split_config(config)
+            return (AttnResSm90.can_implement(dtype, max_hidden, cfg, row_split)
+                    and AttnResSm90(dtype, max_hidden, cfg, row_split).direct)
         if config.compute_warps not in (4, 8):
             return False
         nct = 32 * config.compute_warps
@@ -142,7 +170,21 @@ class AttnResSm100:
                  has_delta: cutlass.Int32, has_out_norm: cutlass.Int32,
                  eps: cutlass.Float32, out_eps: cutlass.Float32, work: cute.Tensor,
                  stream: cuda.CUstream):
-        # work: the sm90 kernel's row-scheduler counters (shared ABI); unused here
+        # work: the sm90 kernel's row-scheduler counters (shared ABI); unused by both
+        if cutlass.const_expr(self._split is not None):
+            self._split(prefix, delta, blocks, norm_w, qk_w, out_norm_w, out, num_blocks,
+                        write_idx, has_delta, has_out_norm, eps, out_eps, work, stream)
+        else:
+            self._launch_tmem(prefix, delta, blocks, norm_w, qk_w, out_norm_w, out,
+                              num_blocks, write_idx, has_delta, has_out_norm, eps, out_eps,
+                              stream)
+
+    @cute.jit
+    def _launch_tmem(self, prefix: cute.Tensor, delta: cute.Tensor, blocks: cute.Tensor,
+                     norm_w: cute.Tensor, qk_w: cute.Tensor, out_norm_w: cute.Tensor,
+                     out: cute.Tensor, num_blocks: cutlass.Int32, write_idx: cutlass.Int32,
+                     has_delta: cutlass.Int32, has_out_norm: cutlass.Int32,
+                     eps: cutlass.Float32, out_eps: cutlass.Float32, stream: cuda.CUstream):
         if cutlass.const_expr(prefix.element_type != self.dtype):
             raise TypeError("AttnResSm100: dtype mismatch")
         maxh = self.max_hidden
