@@ -107,12 +107,13 @@ def ikbo_attention_abi(dtype: str) -> tuple:
 # AttnRes `work` buffer: [0, 2) the row-scheduler counters of the sm90 one-CTA-per-row kernel;
 # from ATTN_RES_XCH_OFF_WORDS the records of the split kernels that exchange through global
 # memory (the Ada design's): per split C in ATTN_RES_XCH_SPLITS, ATTN_RES_XCH_MAX_CTAS records
-# (one per CTA of the grid) of 2 x 18 8-byte words.
+# (one per CTA of the grid) of ATTN_RES_XCH_RECORD 8-byte words (2 parities x 18 totals).
 ATTN_RES_XCH_OFF_WORDS = 64
 ATTN_RES_XCH_MAX_CTAS = 132
 ATTN_RES_XCH_SPLITS = (2, 4, 8)
+ATTN_RES_XCH_RECORD = 2 * 18
 ATTN_RES_WORK_WORDS = (ATTN_RES_XCH_OFF_WORDS
-                       + len(ATTN_RES_XCH_SPLITS) * ATTN_RES_XCH_MAX_CTAS * 2 * 18 * 2)
+                       + len(ATTN_RES_XCH_SPLITS) * ATTN_RES_XCH_MAX_CTAS * ATTN_RES_XCH_RECORD * 2)
 
 
 def attn_res_abi(dtype: str) -> tuple:

@@ -52,7 +52,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from kernels._cvt import widen
-from kernels.sm90.attn_res import AttnResSm90, AttnResSm90Config
+from kernels.sm90.attn_res import split_build
 
 # cp.async (LDGSTS) ring with its commit/wait groups (LDGDEPBAR / DEPBAR); no TMA/bulk copies
 SASS_REQUIRED = ("LDGSTS", "LDGDEPBAR", "DEPBAR")
@@ -89,10 +89,10 @@ class AttnResAdaConfig:
     split_consumer_warps: int = 8
 
 
-def _split_config(config: AttnResAdaConfig) -> AttnResSm90Config:
-    return AttnResSm90Config(split_consumer_warps=config.split_consumer_warps,
-                             num_sms=config.sm_count, ctas_per_sm=1, split_direct=True,
-                             xchg_global=True)
+def _split_build(dtype, max_hidden: int, config: AttnResAdaConfig, row_split: int):
+    return split_build(dtype, max_hidden, row_split,
+                       split_consumer_warps=config.split_consumer_warps,
+                       num_sms=config.sm_count, xchg_global=True)
 
 
 def _num_threads(max_hidden: int, config: AttnResAdaConfig) -> int:
@@ -125,9 +125,8 @@ class AttnResAda:
                              f"row_split={row_split}")
         self.row_split = row_split
         # row_split > 1: the sm90 split kernel with the global exchange (module docstring)
-        self._split = None
-        if row_split > 1:
-            self._split = AttnResSm90(dtype, max_hidden, _split_config(config), row_split)
+        self._split = _split_build(dtype, max_hidden, config, row_split)
+        if self._split is not None:
             self.sass_required, self.sass_forbidden = SASS_REQUIRED_SPLIT, SASS_FORBIDDEN_SPLIT
         self.dtype = dtype
         self.max_hidden = max_hidden
@@ -143,11 +142,8 @@ class AttnResAda:
     def can_implement(dtype, max_hidden, config: AttnResAdaConfig, row_split: int = 1) -> bool:
         if dtype not in _DTYPES or max_hidden not in _MAX_HIDDEN:
             return False
-        if row_split != 1:
-            # the direct split kernels only (<= 2 chunks per thread; not 16384 at split 2)
-            cfg = _split_config(config)
-            return (AttnResSm90.can_implement(dtype, max_hidden, cfg, row_split)
-                    and AttnResSm90(dtype, max_hidden, cfg, row_split).xg)
+        if row_split != 1:  # the direct split kernels only (module docstring)
+            return _split_build(dtype, max_hidden, config, row_split) is not None
         vpt = config.vecs_per_thread
         if vpt < 1 or (max_hidden // _VEC) % vpt:
             return False

@@ -63,7 +63,7 @@ from cutlass.cute.nvgpu import tcgen05
 from cutlass.experimental import primitives as _prims
 from cutlass.memory import SmemAllocator, TmemAllocator
 
-from kernels.sm90.attn_res import AttnResSm90, AttnResSm90Config
+from kernels.sm90.attn_res import SASS_FORBIDDEN_DIRECT, SASS_REQUIRED_DIRECT, split_build
 
 # STTM: tcgen05.st (rows converted once to fp32 into tensor memory); LDTM: tcgen05.ld (the
 # mix pass reads the sources back from TMEM); UBLKCP: cp.async.bulk global -> shared (the
@@ -74,8 +74,8 @@ SASS_REQUIRED = ("STTM", "LDTM", "UBLKCP", "SYNCS")
 SASS_FORBIDDEN = ("LDGSTS", "LDL", "STL")  # exact mnemonics
 # split builds: 16-byte loads to registers (LDG), the DSMEM exchange's mbarriers (SYNCS);
 # no ring, no tensor memory
-SASS_REQUIRED_SPLIT = ("LDG", "SYNCS")
-SASS_FORBIDDEN_SPLIT = ("LDGSTS", "UBLKCP", "STTM", "LDTM", "LDL", "STL")
+SASS_REQUIRED_SPLIT = SASS_REQUIRED_DIRECT
+SASS_FORBIDDEN_SPLIT = SASS_FORBIDDEN_DIRECT + ("STTM", "LDTM")
 
 _SMEM_CAPACITY = 232448  # (228 - 1) KiB per-CTA opt-in maximum on sm_100 / sm_103
 _SMEM_RESERVED = 4 * 1024  # mbarriers, TMEM slot, reduction scratch, 1 KiB alignment slack
@@ -104,9 +104,10 @@ class AttnResSm100Config:
     split_consumer_warps: int = 8
 
 
-def _split_config(config: AttnResSm100Config) -> AttnResSm90Config:
-    return AttnResSm90Config(split_consumer_warps=config.split_consumer_warps,
-                             num_sms=config.sm_count, ctas_per_sm=1, split_direct=True)
+def _split_build(dtype, max_hidden: int, config: AttnResSm100Config, row_split: int):
+    return split_build(dtype, max_hidden, row_split,
+                       split_consumer_warps=config.split_consumer_warps,
+                       num_sms=config.sm_count, xchg_global=False)
 
 
 def _stages_that_fit(max_hidden: int, cfg: AttnResSm100Config) -> int:
@@ -121,9 +122,8 @@ class AttnResSm100:
                              f"row_split={row_split} with {config}")
         self.row_split = row_split
         # row_split > 1: the sm90 cluster-split kernel (module docstring)
-        self._split = None
-        if row_split > 1:
-            self._split = AttnResSm90(dtype, max_hidden, _split_config(config), row_split)
+        self._split = _split_build(dtype, max_hidden, config, row_split)
+        if self._split is not None:
             self.sass_required, self.sass_forbidden = SASS_REQUIRED_SPLIT, SASS_FORBIDDEN_SPLIT
         self.dtype = dtype
         self.max_hidden = max_hidden
@@ -144,11 +144,8 @@ class AttnResSm100:
                       row_split: int = 1) -> bool:
         if dtype is not cutlass.BFloat16:
             return False
-        if row_split != 1:
-            # the direct split kernels only (<= 2 chunks per thread; not 16384 at split 2)
-            cfg = _split_config(config)
-            return (AttnResSm90.can_implement(dtype, max_hidden, cfg, row_split)
-                    and AttnResSm90(dtype, max_hidden, cfg, row_split).direct)
+        if row_split != 1:  # the direct split kernels only (module docstring)
+            return _split_build(dtype, max_hidden, config, row_split) is not None
         if config.compute_warps not in (4, 8):
             return False
         nct = 32 * config.compute_warps

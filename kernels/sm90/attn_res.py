@@ -71,7 +71,8 @@ from cutlass._mlir.dialects import llvm as _llvm
 from cutlass._mlir.dialects import nvvm as _nvvm
 
 from kernels._cvt import widen
-from cutekern.abi import ATTN_RES_XCH_MAX_CTAS, ATTN_RES_XCH_OFF_WORDS, ATTN_RES_XCH_SPLITS
+from cutekern.abi import (ATTN_RES_XCH_MAX_CTAS, ATTN_RES_XCH_OFF_WORDS, ATTN_RES_XCH_RECORD,
+                          ATTN_RES_XCH_SPLITS)
 
 # UBLKCP: cp.async.bulk (non-tensor) global -> shared; SYNCS: mbarrier ops.
 # No LDGSTS (cp.async 16 B path), no local memory (LDL/STL = register spills).
@@ -90,7 +91,8 @@ _SMEM_SLACK = 512  # struct alignment padding
 _MAXB = 8  # block sources per row at most (NB <= 8)
 _NV = 2 * (1 + _MAXB)  # reduced values per row in the batched schedule: (ss, dd) per source
 _MAX_LOADS = 2 + _MAXB  # bulk loads per row at most (prefix, delta, blocks)
-_XREC = 2 * _NV  # global exchange: 8-byte words per CTA record (2 parities x _NV totals)
+_XREC = ATTN_RES_XCH_RECORD  # global exchange: 8-byte words per CTA record
+assert _XREC == 2 * _NV, "a record holds 2 parities x _NV totals (cutekern/abi.py)"
 
 
 @dataclass(frozen=True)
@@ -260,6 +262,19 @@ def _xch_put(word: cute.Pointer, val: Float32, seq: Int32):
 @cute.jit
 def _xch_seq(word: cute.Pointer) -> Int32:
     return Int32(cute.arch.load(word, Int64, sem="relaxed", scope="gpu") >> 32)
+
+
+def split_build(dtype, max_hidden: int, row_split: int, *, split_consumer_warps: int,
+                num_sms: int, xchg_global: bool):
+    """The split_direct kernel another design runs for small M (Ada: the exchange through
+    global memory; sm100: DSMEM), or None where there is none (a row segment of more than
+    2 chunks per thread, e.g. the 16384 tier over 2 CTAs)."""
+    cfg = AttnResSm90Config(split_consumer_warps=split_consumer_warps, num_sms=num_sms,
+                            ctas_per_sm=1, split_direct=True, xchg_global=xchg_global)
+    if row_split < 2 or not AttnResSm90.can_implement(dtype, max_hidden, cfg, row_split):
+        return None
+    kern = AttnResSm90(dtype, max_hidden, cfg, row_split)
+    return kern if kern.direct else None
 
 
 class AttnResSm90:
