@@ -153,6 +153,21 @@ def attn_res_abi(dtype: str) -> tuple:
     )
 
 
+# The one-launch small-batch plan kernel (kernels/sm90/bgmv_binplan.py, pair_kernel): a CTA per
+# (token, 64 output columns); its exchange buffer (the plan's `ws`, zeroed once at prepare) holds
+# one 8-byte launch-count word per CTA, then one 8-byte word (seq << 32 | fp32 bits) per
+# (pair, 8 ranks, shrink segment of BGMV_SEG_H elements, rank).
+BGMV_SEG_H = 384
+BGMV_PAIR_COLS = 64
+
+
+def bgmv_pair_xch_words(t: int, k: int, r: int, h: int, n: int) -> int:
+    """8-byte words of the small-batch plan kernel's exchange buffer."""
+    ctas = t * -(-n // BGMV_PAIR_COLS)
+    nseg = -(-h // BGMV_SEG_H)
+    return ctas + t * k * (r // 8) * nseg * 8
+
+
 def bgmv_shrink_abi(dtype: str) -> tuple:
     """ABI of the MoE-LoRA shrink. Pairs p = t * k + j (token t, its j-th routed expert).
 

@@ -172,6 +172,16 @@ def _bin_threshold(fn) -> int:
     return int(next((v for k, v in cfg.items() if k.startswith("bin_min")), 0))
 
 
+def _pair_plan_max(fn) -> int:
+    """P up to which a plan runs the variant's one-launch small-batch kernel (0: none)."""
+    return int(fn.meta.get("config", {}).get("pair_max_pairs", 0))
+
+
+# The small-batch plan kernel's CTAs wait for the other CTAs of their token (ceil(H_out / 64)
+# of them, consecutive blocks): bounded so a token's group always fits the GPU at once.
+_PAIR_PLAN_MAX_COLS = 8192
+
+
 def _check_order(op, sorted_token_ids, dev):
     if sorted_token_ids is not None:
         _tensor(op, "sorted_token_ids", sorted_token_ids, torch.int32, 1)
@@ -258,9 +268,12 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
     ``check_indices`` checks the index values now (one device sync); run() never checks,
     so replays with new routing must keep ids in range (out-of-range pairs are skipped).
     ``fused`` (None or True: where available): large batches (T*k >= the kernel's
-    bin_min_pairs, 384) run shrink and expand of each (adapter, expert) bin in one launch
-    where the design has that kernel (sm90); False keeps the two kernels. The results are
-    bit-identical either way; ``plan.meta["fused"]`` says which ran.
+    bin_min_pairs, 384) run shrink and expand of each (adapter, expert) bin in one launch,
+    and small ones (T*k <= its pair_max_pairs, rank <= 32, H_out <= 8192) shrink and expand
+    in one launch too, where the design has that kernel (sm90, Ada); False keeps the two
+    kernels. The results are bit-identical either way; ``plan.meta["fused"]`` says which
+    ran. A plan's launches must not overlap each other (one stream at a time): the
+    small-batch kernel keeps launch counts in its own buffer.
     """
     op = "prepare_bgmv_moe"
     t, h, num_l, num_e, r = _check_x_a(op, x, lora_a)
@@ -289,6 +302,16 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
         fc = fused_fn.bind(x, lora_a, lora_b, topk_ids, lora_indices, w, s, y, ws)
         plan = BgmvMoePlan((fc,), s, y, dict(meta, fused=True))
         plan._keep = (w, ws)
+        return plan
+    if fused_fn is not None and p <= _pair_plan_max(fused_fn) and r <= 32 \
+            and n <= _PAIR_PLAN_MAX_COLS:
+        # small batch, one launch: the exchange buffer starts zeroed (launch counts)
+        from .abi import bgmv_pair_xch_words
+        words = bgmv_pair_xch_words(t, k, r, h, n)
+        xch = torch.zeros(-(-2 * words // n), n, dtype=torch.float32, device=dev)
+        fc = fused_fn.bind(x, lora_a, lora_b, topk_ids, lora_indices, w, s, y, xch)
+        plan = BgmvMoePlan((fc,), s, y, dict(meta, fused=True))
+        plan._keep = (w, xch)
         return plan
     order = _order(sorted_token_ids, p, dev)
     shrink_fn, expand_fn = _functions(x.dtype, finalize, dev)

@@ -24,16 +24,24 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync
 
-from kernels.sm90._bin_scan import run_bin, slab_ptr
-from kernels.sm90.bgmv_expand import BgmvExpandSm90, BgmvExpandSm90Config
+from cutekern.abi import BGMV_PAIR_COLS, BGMV_SEG_H
+from kernels._mma import is_bf16, mma_block, words, zero_unless
+from kernels._xch import bits_f32, xch_put
+from kernels.sm90._bin_scan import routed, run_bin, slab_ptr
+from kernels.sm90.bgmv_expand import BgmvExpandSm90, BgmvExpandSm90Config, _pair_at
 from kernels.sm90.bgmv_shrink import BgmvShrinkSm90, BgmvShrinkSm90Config
 
 SASS_REQUIRED = ("LDG", "STG", "HMMA", "LDGSTS", "LDGDEPBAR", "VOTE")
 SASS_FORBIDDEN = ("ATOM", "ATOMG", "ATOMS", "RED", "REDG", "STL", "LDL")
 
 _VEC = 8
+_KB = 32            # elements per k block
 _R_MAX = 64
+_MAX_K = 8
+_POLL = 8           # exchange words a lane polls per round trip
 _SMEM_LIMIT = 227 * 1024
 
 
@@ -86,6 +94,12 @@ class BgmvBinPlanSm90Config:
     small_max_per_bin: int = 2
     fin_threads: int = 128
     fin_ctas_per_sm: int = 8
+    # Small batches: plans with P <= pair_max_pairs at rank <= 32 run pair_kernel (a CTA per
+    # (token, 64 output columns) doing a share of the token's shrink as well; see its
+    # docstring) instead of the two pair kernels; 0: never (not compiled).
+    pair_max_pairs: int = 96
+    pair_unit_warps: int = 4       # warps of a CTA that take shrink units
+    pair_ctas_per_sm: int = 3
 
 
 def _small_shape(c: BgmvBinPlanSm90Config) -> BgmvBinPlanSm90Config:
@@ -123,6 +137,12 @@ def _smem_bytes(c: BgmvBinPlanSm90Config) -> int:
         + 1024
 
 
+def _pair_smem_bytes(c: BgmvBinPlanSm90Config) -> int:
+    sb = BGMV_SEG_H // _KB
+    return 16 * (c.pair_unit_warps * sb * (32 + 4) + _MAX_K * 8 * 32) \
+        + 4 * (BGMV_PAIR_COLS * _MAX_K + 3 * _MAX_K + 2) + 1024
+
+
 class BgmvBinPlanSm90:
     SMEM_LIMIT = _SMEM_LIMIT    # per CTA (the Ada design's subclass lowers it)
 
@@ -130,6 +150,7 @@ class BgmvBinPlanSm90:
         if not type(self).can_implement(dtype, config):
             raise ValueError(f"{type(self).__name__} cannot implement {dtype} with {config}")
         self.dtype = dtype
+        self.bf16 = is_bf16(dtype)
         self.finalize = bool(finalize)
         self.cfg = config
         self.sh = BgmvShrinkSm90(dtype, _shrink_cfg(config))
@@ -150,6 +171,12 @@ class BgmvBinPlanSm90:
         if c.overlap and (c.shrink_stages != c.expand_stages
                           or c.shrink_chunk_h != c.expand_cols):
             return False
+        if c.pair_max_pairs > 0:
+            # the pair kernel reproduces the shrink's segments (its seg_h) bit for bit
+            if _shrink_cfg(c).seg_h != BGMV_SEG_H or not 1 <= c.pair_unit_warps <= _MAX_K:
+                return False
+            if c.pair_ctas_per_sm < 1 or _pair_smem_bytes(c) > cls.SMEM_LIMIT:
+                return False
         if not (BgmvShrinkSm90.can_implement(dtype, _shrink_cfg(c))
                 and BgmvExpandSm90.can_implement(dtype, _expand_cfg(c))):
             return False
@@ -160,6 +187,30 @@ class BgmvBinPlanSm90:
     def __call__(self, x: cute.Tensor, a: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
                  lora: cute.Tensor, topk_w: cute.Tensor, s: cute.Tensor, y: cute.Tensor,
                  ws: cute.Tensor, stream: cuda.CUstream):
+        pair = cutlass.Boolean(False)
+        if cutlass.const_expr(self.cfg.pair_max_pairs > 0):
+            pair = (x.shape[0] * topk_ids.shape[1] < self.cfg.bin_min_pairs) & (a.shape[2] <= _KB)
+        if pair:
+            self.launch_pairs(x, a, b, topk_ids, lora, topk_w, s, y, ws, stream)
+        else:
+            self.launch_plan(x, a, b, topk_ids, lora, topk_w, s, y, ws, stream)
+
+    @cute.jit
+    def launch_pairs(self, x: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
+                     topk_ids: cute.Tensor, lora: cute.Tensor, topk_w: cute.Tensor,
+                     s: cute.Tensor, y: cute.Tensor, ws: cute.Tensor, stream: cuda.CUstream):
+        """The small-batch kernel: one CTA per (token, column chunk), token-major."""
+        if cutlass.const_expr(self.cfg.pair_max_pairs > 0):
+            C = (b.shape[2] + BGMV_PAIR_COLS - 1) // BGMV_PAIR_COLS
+            self.pair_kernel(x, a, b, topk_ids, lora, topk_w, s, y, ws).launch(
+                grid=[x.shape[0] * C, 1, 1], block=[32 * _MAX_K, 1, 1], stream=stream,
+                min_blocks_per_mp=self.cfg.pair_ctas_per_sm, preferred_smem_carveout=100)
+
+    @cute.jit
+    def launch_plan(self, x: cute.Tensor, a: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
+                    lora: cute.Tensor, topk_w: cute.Tensor, s: cute.Tensor, y: cute.Tensor,
+                    ws: cute.Tensor, stream: cuda.CUstream):
+        """The bin kernel (its shape by the batch), then the finalize pass."""
         cfg = self.cfg
         T = x.shape[0]
         N = b.shape[2]
@@ -294,3 +345,256 @@ class BgmvBinPlanSm90:
     def _b_chunk(self, b, slab_b, sB, N, nrv, nch, j, slot, tidx, RW: cutlass.Constexpr):
         if j < nch:
             self.ex.bin_load_stage(b, slab_b, sB, N, nrv, j, slot, tidx, RW)
+
+    # ================================================================== small batches
+    @cute.kernel
+    def pair_kernel(self, x: cute.Tensor, a: cute.Tensor, b: cute.Tensor, topk_ids: cute.Tensor,
+                    lora: cute.Tensor, topk_w: cute.Tensor, s: cute.Tensor, y: cute.Tensor,
+                    ws: cute.Tensor):
+        """Shrink + expand of a small batch in one launch, rank <= 32. CTA (t, c) owns output
+        columns 64c .. 64c+63 of token t (the pair expand's work item; warp j = slot j) and
+        a share of token t's shrink: the shrink's units (pair j, 8 ranks, segment of seg_h
+        elements of H) are dealt to the token's C CTAs (unit u to CTA u % C, its warp
+        (u // C) % pair_unit_warps). A CTA issues its units' A and x vectors and its b
+        vectors (cp.async into shared memory) at once, runs each unit's mma chain and
+        publishes the 8 segment partials through the exchange buffer `ws`
+        (cutekern.abi.bgmv_pair_xch_words); lane (g, q) of warp j then sums rank 8q + g of
+        pair j over the segments in order (polled), which is the pair shrink's
+        s = cvt(((0 + P_0) + P_1) + ...), and the warp runs the pair expand's chains on
+        those s fragments. Same arithmetic as the two pair kernels, so the same bits.
+        Progress: a CTA waits only for CTAs of its own token (consecutive block indices,
+        C <= 64 for H_out <= 4096), so once a token's first CTA runs, the rest of its group
+        only needs slots that earlier, complete groups free. Sequence numbers: CTA bid's
+        word bid counts this plan's launches (every launch runs the same grid), so every CTA
+        expects the same number from its peers; ws starts zeroed."""
+        cfg = self.cfg
+        SB = BGMV_SEG_H // _KB                  # k blocks per segment
+        NU = cfg.pair_unit_warps
+        CN = BGMV_PAIR_COLS
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        g = lane >> 2
+        q = lane & 3
+
+        T = x.shape[0]
+        H = x.shape[1]
+        L = a.shape[0]
+        E = a.shape[1]
+        R = a.shape[2]
+        N = b.shape[2]
+        K = topk_ids.shape[1]
+        C = (N + CN - 1) // CN
+        t = bid // C
+        c = bid - t * C
+        n0 = c * CN
+        NTL = R // 8                            # 8-rank tiles (= 16-byte vectors of a row)
+        nvec = H // _VEC
+        nb = (H + _KB - 1) // _KB
+        nseg = (nb + SB - 1) // SB
+        U = K * NTL * nseg
+
+        smem = cutlass.utils.SmemAllocator()
+        sA = smem.allocate_tensor(self.dtype, cute.make_layout(NU * SB * 32 * _VEC), 16)
+        sX = smem.allocate_tensor(self.dtype, cute.make_layout(NU * SB * 4 * _VEC), 16)
+        sB = smem.allocate_tensor(self.dtype, cute.make_layout(_MAX_K * 8 * 32 * _VEC), 16)
+        sBw = cute.local_tile(sB, (8 * 32 * _VEC,), (warp,))
+        sd = smem.allocate_tensor(Float32, cute.make_layout((CN, _MAX_K), stride=(1, CN)), 16)
+        sex = smem.allocate_tensor(Int32, cute.make_layout((_MAX_K,)), 16)
+        sw = smem.allocate_tensor(Float32, cute.make_layout((_MAX_K,)), 16)
+        slive = smem.allocate_tensor(Int32, cute.make_layout((_MAX_K,)), 16)
+        shdr = smem.allocate_tensor(Int32, cute.make_layout((2,)), 16)
+        cp_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
+            num_bits_per_copy=128)
+        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32,
+                                      num_bits_per_copy=64)
+
+        xw = cute.make_ptr(Int64, ws.iterator.toint(), cute.AddressSpace.gmem, assumed_align=8)
+        own = xw + bid
+        slots = xw + T * C
+
+        # the token's routing and this CTA's launch count: one round trip, then a barrier
+        if tidx < K:
+            sex[tidx] = topk_ids[t, tidx]
+            sw[tidx] = Float32(0.0)
+            if cutlass.const_expr(self.finalize):
+                sw[tidx] = topk_w[t, tidx]
+        if tidx == 32:
+            shdr[0] = Int32(cute.arch.load(own, Int64, sem="relaxed", scope="gpu"))
+        if tidx == 64:
+            shdr[1] = lora[t]
+        cute.arch.sync_threads()
+        seq = shdr[0] + 1
+        lo = shdr[1]
+        if tidx == 0:
+            cute.arch.store(own, Int64(seq), sem="relaxed", scope="gpu")
+
+        # shrink units of this warp: u = c + C * (warp + NU * i), i < nu
+        nu = Int32(0)
+        if warp < NU:
+            first = c + C * warp
+            if first < U:
+                nu = (U - 1 - first) // (C * NU) + 1
+        va = warp * (SB * 32) + lane
+        vx = warp * (SB * 4) + q
+        self._unit_issue(x, a, sA, sX, c + C * warp, nu > 0, lo, sex, t, NTL, nseg, nvec, L, E,
+                         va, vx, g, q, cp_atom)
+        cute.arch.cp_async_commit_group()
+        # this warp's b vectors (slot j = warp), lane-major per n-tile as the staged expand
+        j = warp
+        live = cutlass.Boolean(False)
+        if j < K:
+            live = routed(lo, sex[j], L, E)
+        if live:
+            base = slab_ptr(b, lo, sex[j], _VEC) + cute.assume(
+                (n0 + g) * b.stride[2] + q * _VEC, divby=_VEC)
+            if q < NTL:
+                for i in cutlass.range_constexpr(8):
+                    if n0 + 8 * i + g < N:
+                        src = cute.make_tensor(base + cute.assume(8 * i * b.stride[2], divby=_VEC),
+                                               cute.make_layout(_VEC))
+                        cute.copy(cp_atom, src, cute.local_tile(sBw, (_VEC,), (32 * i + lane,)))
+        cute.arch.cp_async_commit_group()
+
+        for i in cutlass.range(nu):
+            u = c + C * (warp + NU * i)
+            if i == 0:
+                cute.arch.cp_async_wait_group(1)      # the b vectors may still fly
+            else:
+                self._unit_issue(x, a, sA, sX, u, True, lo, sex, t, NTL, nseg, nvec, L, E,
+                                 va, vx, g, q, cp_atom)
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_warp()                    # x vectors come from the lanes g == 0
+            self._unit_run(sA, sX, slots, u, seq, lo, sex, t, K, NTL, nseg, nvec, L, E, va, vx,
+                           g, q)
+            cute.arch.sync_warp()                    # the next unit overwrites the slots
+
+        # s[p, 8q + g] of pair p = (t, j): the segment partials in order (polled)
+        p = t * K + j
+        tot = Float32(0.0)
+        if live & (q < NTL):
+            wp = slots + ((p * NTL + q) * nseg) * 8 + g
+            vals = cute.make_rmem_tensor((_POLL,), Float32)
+            for s0 in cutlass.range(0, nseg, _POLL):
+                done = Int32(0)
+                while done == 0:
+                    done = Int32(1)
+                    for k2 in cutlass.range_constexpr(_POLL):
+                        vals[k2] = Float32(0.0)
+                        if s0 + k2 < nseg:
+                            wv = cute.arch.load(wp + (s0 + k2) * 8, Int64, sem="relaxed",
+                                                scope="gpu")
+                            if Int32(wv >> 32) != seq:
+                                done = Int32(0)
+                            vals[k2] = bits_f32(Int32(wv))
+                for k2 in cutlass.range_constexpr(_POLL):
+                    if s0 + k2 < nseg:
+                        tot = tot + vals[k2]
+        if (c == 0) & (j < K) & (q < NTL):
+            s[p, 8 * q + g] = tot.to(self.dtype)         # 0 for a skipped pair
+        # the s fragment of lane (g, q): ranks 8q .. 8q+7, from lanes (0..7, q)
+        sf = cute.make_rmem_tensor((_VEC,), self.dtype)
+        for k2 in cutlass.range_constexpr(_VEC):
+            sf[k2] = cute.arch.shuffle_sync(tot, 4 * k2 + q).to(self.dtype)
+
+        cute.arch.cp_async_wait_group(0)
+        d = cute.make_rmem_tensor((2,), Float32)
+        d.fill(0.0)
+        if live:
+            ok = q < NTL
+            for i in cutlass.range_constexpr(8):
+                acc = cute.make_rmem_tensor((4,), Float32)
+                acc.fill(0.0)
+                bi = cute.make_rmem_tensor((_VEC,), self.dtype)
+                bi.fill(0.0)
+                if (n0 + 8 * i + g < N) & ok:
+                    cute.autovec_copy(cute.local_tile(sBw, (_VEC,), (32 * i + lane,)), bi)
+                sw_ = zero_unless(words(sf), ok)
+                mma_block(sw_, sw_, zero_unless(words(bi), ok), acc, self.bf16)
+                if g == i:
+                    d[0] = acc[0]
+                    d[1] = acc[1]
+
+        if cutlass.const_expr(self.finalize):
+            # the pair expand's finalize: y[t, n] = sum over live j in order of w[t, j] * d_j
+            if j < K:
+                for e2 in cutlass.range_constexpr(2):
+                    sd[8 * g + 2 * q + e2, j] = d[e2]
+                if lane == 0:
+                    slive[j] = Int32(live)
+            cute.arch.sync_threads()
+            if tidx < CN:
+                n = n0 + tidx
+                out = Float32(0.0)
+                for jj in cutlass.range(K):
+                    if slive[jj] != 0:
+                        out = out + sw[jj] * sd[tidx, jj]
+                if n < N:
+                    y[t, n] = out
+        else:
+            n = n0 + 8 * g + 2 * q
+            if (j < K) & (n < N):
+                cute.copy(st_atom, d, _pair_at(y, p, n))
+
+    @staticmethod
+    def _unit_decode(u, NTL, nseg):
+        """Unit u of a token -> (slot j, 8-rank tile, segment), segment fastest."""
+        seg = u % nseg
+        r2 = u // nseg
+        nt = r2 % NTL
+        return r2 // NTL, nt, seg
+
+    @cute.jit
+    def _unit_issue(self, x, a, sA, sX, u, has, lo, sex, t, NTL, nseg, nvec, L, E, va, vx, g, q,
+                    cp_atom):
+        """cp.async the A vectors (each lane) and x vectors (lanes g == 0) of shrink unit u,
+        as the pair shrink's staged build lays them out (vectors past H not loaded)."""
+        SB = BGMV_SEG_H // _KB
+        if has:
+            ju, nt, seg = self._unit_decode(u, NTL, nseg)
+            ex = sex[ju]
+            if routed(lo, ex, L, E):
+                h0 = seg * BGMV_SEG_H + _VEC * q
+                xs = cute.make_tensor(
+                    x.iterator + cute.assume(t * x.stride[0] + h0, divby=_VEC),
+                    cute.make_layout((_VEC, SB), stride=(1, _KB)))
+                as_ = cute.make_tensor(
+                    slab_ptr(a, lo, ex, _VEC) + cute.assume((nt * 8 + g) * a.stride[2] + h0,
+                                                            divby=_VEC),
+                    cute.make_layout((_VEC, SB), stride=(1, _KB)))
+                for bb in cutlass.range_constexpr(SB):
+                    if (seg * SB + bb) * 4 + q < nvec:
+                        cute.copy(cp_atom, as_[None, bb],
+                                  cute.local_tile(sA, (_VEC,), (va + 32 * bb,)))
+                        if g == 0:
+                            cute.copy(cp_atom, xs[None, bb],
+                                      cute.local_tile(sX, (_VEC,), (vx + 4 * bb,)))
+
+    @cute.jit
+    def _unit_run(self, sA, sX, slots, u, seq, lo, sex, t, K, NTL, nseg, nvec, L, E, va, vx,
+                  g, q):
+        """Shrink unit u (its vectors in shared memory): the pair shrink's segment chain
+        (mma over the segment's k blocks from 0, the pair's x in every tile row), its 8
+        partials published by the lanes g == 0 (dead pairs publish nothing: never polled)."""
+        SB = BGMV_SEG_H // _KB
+        ju, nt, seg = self._unit_decode(u, NTL, nseg)
+        if routed(lo, sex[ju], L, E):
+            acc = cute.make_rmem_tensor((4,), Float32)
+            acc.fill(0.0)
+            for bb in cutlass.range_constexpr(SB):
+                xf = cute.make_rmem_tensor((_VEC,), self.dtype)
+                af = cute.make_rmem_tensor((_VEC,), self.dtype)
+                xf.fill(0.0)
+                af.fill(0.0)
+                if (seg * SB + bb) * 4 + q < nvec:
+                    cute.autovec_copy(cute.local_tile(sX, (_VEC,), (vx + 4 * bb,)), xf)
+                    cute.autovec_copy(cute.local_tile(sA, (_VEC,), (va + 32 * bb,)), af)
+                xw_ = words(xf)
+                mma_block(xw_, xw_, words(af), acc, self.bf16)
+            if g == 0:
+                wp = slots + (((t * K + ju) * NTL + nt) * nseg + seg) * 8 + 2 * q
+                xch_put(wp, acc[0], seq)
+                xch_put(wp + 1, acc[1], seq)

@@ -205,6 +205,46 @@ def test_fused_plan_equals_two_kernels_bitwise(design, dtype, finalize, t, k, h,
     assert torch.equal(one.out, two.out)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("finalize", [True, False])
+@pytest.mark.parametrize("t,k,h,n,r,num_l,num_e,skew", [
+    (1, 6, 2688, 2688, 32, 8, 128, False),
+    (8, 6, 2688, 2688, 32, 8, 128, False),
+    (16, 6, 3072, 3072, 32, 8, 256, False),      # P = 96: the default bound
+    (4, 8, 1000, 4104, 24, 2, 16, False),        # partial last segment, column chunk; R = 24
+    (12, 8, 4096, 520, 16, 4, 64, True),          # C = 9 CTAs per token, 11 segments, skew
+    (3, 1, 8, 8, 8, 16, 512, False),              # one segment of one vector, one column chunk
+    (2, 2, 392, 16, 32, 1, 1, True),              # more shrink units than 4 warps x C CTAs
+])
+def test_small_plan_one_launch_equals_two_kernels_bitwise(design, dtype, finalize, t, k, h, n, r,
+                                                          num_l, num_e, skew):
+    """Small plans (T*k <= 96, rank <= 32) run shrink and expand in one launch (a CTA per
+    token and column chunk that also computes a share of the token's shrink and exchanges
+    the segment partials through global memory): the same bits as the two pair kernels, and
+    both against the references; run again (the launch counts of the exchange advance) with
+    new contents and an all-dead token."""
+    x, a, b, ids, w, lora = make(t, k, h, n, r, num_l, num_e, dtype, seed=t + r + k, skew=skew)
+    one = run_plan(x, a, b, ids, w, lora, finalize=finalize)
+    two = run_plan(x, a, b, ids, w, lora, finalize=finalize, fused=False)
+    assert one.meta["fused"] and not two.meta["fused"]
+    assert len(one._calls) == 1 and len(two._calls) == 2
+    for rnd in range(3):
+        if rnd:
+            new = make(t, k, h, n, r, num_l, num_e, dtype, seed=100 * rnd + t, skew=skew)
+            for dst, src in zip((x, a, b, ids, w, lora), new):
+                dst.copy_(src)
+            lora[0] = -1
+            for plan in (one, two):
+                plan.shrink_out.fill_(float("nan"))
+                plan.out.fill_(float("nan"))
+                plan.run()
+            torch.cuda.synchronize()
+        check_shrink(one.shrink_out, x, a, ids, lora)
+        check_expand(one.out, one.shrink_out, b, ids, lora, w if finalize else None)
+        assert torch.equal(one.shrink_out, two.shrink_out)
+        assert torch.equal(one.out, two.out)
+
+
 @pytest.mark.parametrize("t,k,h,n,r,num_l,num_e", [
     (1, 6, 2688, 2688, 32, 8, 128),
     (8, 6, 2688, 4104, 64, 8, 128),
@@ -252,8 +292,9 @@ def test_one_bin_with_repeated_expert_ids(design):
     assert torch.equal(one.out, full.out[7:8])
 
 
-# 32: pair schedules; 300 (1.76 pairs per bin) and 700: bins (the one-launch plan kernel)
-@pytest.mark.parametrize("t", [32, 300, 700])
+# 8: the one-launch small-batch kernel; 32: pair schedules; 300 (1.76 pairs per bin) and
+# 700: bins (the one-launch plan kernel)
+@pytest.mark.parametrize("t", [8, 32, 300, 700])
 def test_graph_replay_with_new_contents(design, t, warm_graph_pool):
     k, h, n, r, num_l, num_e = 6, 2688, 2688, 32, 8, 128
     x, a, b, ids, w, lora = make(t, k, h, n, r, num_l, num_e, torch.bfloat16, seed=7)
