@@ -159,6 +159,7 @@ def attn_res_abi(dtype: str) -> tuple:
 # (pair, 8 ranks, shrink segment of BGMV_SEG_H elements, rank).
 BGMV_SEG_H = 384
 BGMV_PAIR_COLS = 64
+BGMV_PAIR_SMEM_BYTES = 64 * 1024     # shared memory per CTA, at most (the kernel checks)
 
 
 def bgmv_pair_xch_words(t: int, k: int, r: int, h: int, n: int) -> int:

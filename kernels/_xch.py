@@ -28,3 +28,20 @@ def xch_put(word: cute.Pointer, val: Float32, seq: Int32):
     """word <- (seq << 32 | fp32 bits of val), relaxed at gpu scope."""
     w = (Int64(seq) << 32) | (Int64(f32_bits(val)) & Int64(0xFFFFFFFF))
     cute.arch.store(word, w, sem="relaxed", scope="gpu")
+
+
+@dsl_user_op
+def globaltimer(*, loc=None, ip=None) -> Int64:
+    """The GPU-wide nanosecond timer (comparable across SMs; debug timelines)."""
+    from cutlass.cutlass_dsl import T
+    return Int64(_llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l",
+                                  has_side_effects=True, is_align_stack=False,
+                                  asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def smid(*, loc=None, ip=None) -> Int32:
+    from cutlass.cutlass_dsl import T
+    return Int32(_llvm.inline_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r",
+                                  has_side_effects=True, is_align_stack=False,
+                                  asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))

@@ -51,6 +51,7 @@ def main():
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     os.environ.pop("CUTEKERN_DESIGN", None)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     out = Path(args.out) / "ab_bgmv_small.json"
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "commit": git_commit(),
                                "rows": rows}, indent=1))

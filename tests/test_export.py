@@ -184,6 +184,28 @@ def test_bgmv_sm90_expand_overlaps_shrink_through_pdl(exported):
     assert seen == {"shrink", "expand after_shrink=True", "expand after_shrink=False"}
 
 
+def test_bgmv_ada_small_batches_in_one_launch(exported):
+    """The Ada design's plan kernel holds the one-launch small-batch kernel, whose CTAs
+    exchange the shrink's segment partials as 8-byte relaxed gpu-scope words (no atomics, no
+    fences: the SASS fingerprints above forbid ATOM / RED); the sm90 plan kernel has none
+    (its small batches keep the PDL-overlapped pair kernels)."""
+    out, manifest = exported
+    seen = set()
+    for e in manifest["kernels"]:
+        if e["op"] != "bgmv_binplan":
+            continue
+        sass = (out / e["object"]).with_suffix(".sass").read_text()
+        has = "pair_kernel" in sass
+        assert has == (e["design"] == "ada"), f"{e['prefix']}: pair_kernel {'present' if has else 'missing'}"
+        if has:
+            body = re.search(r"^\.text\.\S*pair_kernel\S*:\n(.*?)(?=^//-{5}|\Z)", sass,
+                             re.S | re.M).group(1)
+            assert "LDG.E.64.STRONG.GPU" in body and "STG.E.64.STRONG.GPU" in body, e["prefix"]
+            assert "HMMA" in body and "LDGSTS" in body and "MEMBAR" not in body, e["prefix"]
+        seen.add((e["design"], e["arch"]))
+    assert seen == {("sm90", "sm_90a"), ("ada", "sm_80"), ("ada", "sm_89"), ("ada", "sm_90a")}
+
+
 _STRUCT = re.compile(r"typedef struct \{\s*void \*data;\s*int32_t dynamic_shapes\[(\d+)\];"
                      r"(?:\s*int64_t dynamic_strides\[(\d+)\];)?\s*\}\s*(\w+)_Tensor_(\w+)_t;")
 _WRAPPER = re.compile(r"cute_dsl_(\w+)_wrapper\(\w+_Kernel_Module_t \*module, ([^)]*)\)")

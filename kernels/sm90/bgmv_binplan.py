@@ -27,9 +27,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
-from cutekern.abi import BGMV_PAIR_COLS, BGMV_SEG_H
+from cutekern.abi import BGMV_PAIR_COLS, BGMV_PAIR_SMEM_BYTES, BGMV_SEG_H
 from kernels._mma import is_bf16, mma_block, words, zero_unless
-from kernels._xch import bits_f32, xch_put
+from kernels._xch import bits_f32, globaltimer, smid, xch_put
 from kernels.sm90._bin_scan import routed, run_bin, slab_ptr
 from kernels.sm90.bgmv_expand import BgmvExpandSm90, BgmvExpandSm90Config, _pair_at
 from kernels.sm90.bgmv_shrink import BgmvShrinkSm90, BgmvShrinkSm90Config
@@ -94,12 +94,17 @@ class BgmvBinPlanSm90Config:
     small_max_per_bin: int = 2
     fin_threads: int = 128
     fin_ctas_per_sm: int = 8
-    # Small batches: plans with P <= pair_max_pairs at rank <= 32 run pair_kernel (a CTA per
-    # (token, 64 output columns) doing a share of the token's shrink as well; see its
-    # docstring) instead of the two pair kernels; 0: never (not compiled).
-    pair_max_pairs: int = 96
+    # Small batches: plans with P <= pair_max_pairs at rank <= 32 whose grid fits one wave
+    # run pair_kernel (a CTA per (token, 64 output columns) doing a share of the token's
+    # shrink as well; see its docstring) instead of the two pair kernels; 0: never (not
+    # compiled). Off here: the sm90 pair kernels overlap through PDL, and measured against
+    # them on the H200 this kernel was slower at every size (H=2688 r=32 top-6: T=1 8.2-8.5
+    # vs 7.6-7.9 us, T=4 11.5 vs 9.7-10.0, T=8 14.3-14.5 vs 11.6-12.3; perf/results/
+    # ab_bgmv_small_h200.json). The Ada design, without PDL, runs it.
+    pair_max_pairs: int = 0
     pair_unit_warps: int = 4       # warps of a CTA that take shrink units
     pair_ctas_per_sm: int = 3
+    pair_timeline: bool = False    # debug: per-CTA globaltimer stamps after the exchange words
 
 
 def _small_shape(c: BgmvBinPlanSm90Config) -> BgmvBinPlanSm90Config:
@@ -175,7 +180,8 @@ class BgmvBinPlanSm90:
             # the pair kernel reproduces the shrink's segments (its seg_h) bit for bit
             if _shrink_cfg(c).seg_h != BGMV_SEG_H or not 1 <= c.pair_unit_warps <= _MAX_K:
                 return False
-            if c.pair_ctas_per_sm < 1 or _pair_smem_bytes(c) > cls.SMEM_LIMIT:
+            if c.pair_ctas_per_sm < 1 or _pair_smem_bytes(c) > min(cls.SMEM_LIMIT,
+                                                                   BGMV_PAIR_SMEM_BYTES):
                 return False
         if not (BgmvShrinkSm90.can_implement(dtype, _shrink_cfg(c))
                 and BgmvExpandSm90.can_implement(dtype, _expand_cfg(c))):
@@ -415,6 +421,13 @@ class BgmvBinPlanSm90:
         own = xw + bid
         slots = xw + T * C
 
+        TL = cfg.pair_timeline
+        tl = None
+        if cutlass.const_expr(TL):
+            tl = slots + T * K * NTL * nseg * 8 + bid * 8
+            if tidx == 0:
+                cute.arch.store(tl, globaltimer())
+                cute.arch.store(tl + 7, Int64(smid()))
         # the token's routing and this CTA's launch count: one round trip, then a barrier
         if tidx < K:
             sex[tidx] = topk_ids[t, tidx]
@@ -430,6 +443,8 @@ class BgmvBinPlanSm90:
         lo = shdr[1]
         if tidx == 0:
             cute.arch.store(own, Int64(seq), sem="relaxed", scope="gpu")
+            if cutlass.const_expr(TL):
+                cute.arch.store(tl + 1, globaltimer())
 
         # shrink units of this warp: u = c + C * (warp + NU * i), i < nu
         nu = Int32(0)
@@ -442,6 +457,14 @@ class BgmvBinPlanSm90:
         self._unit_issue(x, a, sA, sX, c + C * warp, nu > 0, lo, sex, t, NTL, nseg, nvec, L, E,
                          va, vx, g, q, cp_atom)
         cute.arch.cp_async_commit_group()
+        # the units' vectors before any b vector: the exchange waits for every unit of the
+        # token, the b vectors are needed only after it, and issued together they share the
+        # DRAM bandwidth (H200, T=8: the units' vectors landed 4.5-7.6 us after entry)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        if cutlass.const_expr(TL):
+            if tidx == 0:
+                cute.arch.store(tl + 2, globaltimer())
         # this warp's b vectors (slot j = warp), lane-major per n-tile as the staged expand
         j = warp
         live = cutlass.Boolean(False)
@@ -460,17 +483,19 @@ class BgmvBinPlanSm90:
 
         for i in cutlass.range(nu):
             u = c + C * (warp + NU * i)
-            if i == 0:
-                cute.arch.cp_async_wait_group(1)      # the b vectors may still fly
-            else:
+            if i > 0:
+                # (more units than unit warps x CTAs: rare; this wait includes the b vectors)
                 self._unit_issue(x, a, sA, sX, u, True, lo, sex, t, NTL, nseg, nvec, L, E,
                                  va, vx, g, q, cp_atom)
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_warp()                    # x vectors come from the lanes g == 0
+                cute.arch.sync_warp()                # x vectors come from the lanes g == 0
             self._unit_run(sA, sX, slots, u, seq, lo, sex, t, K, NTL, nseg, nvec, L, E, va, vx,
                            g, q)
             cute.arch.sync_warp()                    # the next unit overwrites the slots
+        if cutlass.const_expr(TL):
+            if tidx == 0:
+                cute.arch.store(tl + 3, globaltimer())
 
         # s[p, 8q + g] of pair p = (t, j): the segment partials in order (polled)
         p = t * K + j
@@ -500,7 +525,13 @@ class BgmvBinPlanSm90:
         for k2 in cutlass.range_constexpr(_VEC):
             sf[k2] = cute.arch.shuffle_sync(tot, 4 * k2 + q).to(self.dtype)
 
+        if cutlass.const_expr(TL):
+            if tidx == 0:
+                cute.arch.store(tl + 4, globaltimer())
         cute.arch.cp_async_wait_group(0)
+        if cutlass.const_expr(TL):
+            if tidx == 0:
+                cute.arch.store(tl + 5, globaltimer())
         d = cute.make_rmem_tensor((2,), Float32)
         d.fill(0.0)
         if live:
@@ -538,6 +569,9 @@ class BgmvBinPlanSm90:
             n = n0 + 8 * g + 2 * q
             if (j < K) & (n < N):
                 cute.copy(st_atom, d, _pair_at(y, p, n))
+        if cutlass.const_expr(TL):
+            if tidx == 0:
+                cute.arch.store(tl + 6, globaltimer())
 
     @staticmethod
     def _unit_decode(u, NTL, nseg):
