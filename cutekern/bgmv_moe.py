@@ -182,16 +182,22 @@ def _pair_plan_max(fn) -> int:
 _PAIR_PLAN_MAX_COLS = 8192
 
 
-def _pair_plan_fits(fn, t, n, dev) -> bool:
-    """The small-batch kernel's grid (a CTA per token and 64 output columns) fits one wave of
-    the device: beyond that the CTAs of a late wave hold up their tokens' earlier ones (H200:
-    T=12 at H_out=2688, 1.3 waves, 22 us against 16 for the two pair kernels)."""
-    from .abi import BGMV_PAIR_COLS, BGMV_PAIR_SMEM_BYTES
+def _pair_plan_fits(fn, t, k, r, h, n, dev) -> bool:
+    """Where the small-batch kernel is faster than the two pair kernels (Ada design, H200):
+    its grid (a CTA per token and 64 output columns) fits one wave of the device (beyond, the
+    CTAs of a late wave hold up their tokens' earlier ones: T=12 at H_out=2688, 1.3 waves,
+    22 us against 16), and each of its unit warps takes at most one of the token's shrink
+    units (a second one waits for the CTA's b vectors too: top-8 H=3072 T=4 / 8, 1.3 units
+    per warp, 14.5 / 19.3 us against 13.5 / 18.1; perf/results/ab_bgmv_small_h200.json)."""
+    from .abi import BGMV_PAIR_COLS, BGMV_PAIR_SMEM_BYTES, BGMV_SEG_H
+    cfg = fn.meta.get("config", {})
+    ctas = -(-n // BGMV_PAIR_COLS)
+    if k * (r // 8) * -(-h // BGMV_SEG_H) > int(cfg.get("pair_unit_warps", 0)) * ctas:
+        return False
     props = torch.cuda.get_device_properties(dev)
     smem = getattr(props, "shared_memory_per_multiprocessor", 0) or BGMV_PAIR_SMEM_BYTES
-    per_sm = min(int(fn.meta.get("config", {}).get("pair_ctas_per_sm", 1)),
-                 max(1, smem // BGMV_PAIR_SMEM_BYTES))
-    return t * -(-n // BGMV_PAIR_COLS) <= props.multi_processor_count * per_sm
+    per_sm = min(int(cfg.get("pair_ctas_per_sm", 1)), max(1, smem // BGMV_PAIR_SMEM_BYTES))
+    return t * ctas <= props.multi_processor_count * per_sm
 
 
 def _check_order(op, sorted_token_ids, dev):
@@ -316,7 +322,7 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
         plan._keep = (w, ws)
         return plan
     if fused_fn is not None and p <= _pair_plan_max(fused_fn) and r <= 32 \
-            and n <= _PAIR_PLAN_MAX_COLS and _pair_plan_fits(fused_fn, t, n, dev):
+            and n <= _PAIR_PLAN_MAX_COLS and _pair_plan_fits(fused_fn, t, k, r, h, n, dev):
         # small batch, one launch: the exchange buffer starts zeroed (launch counts)
         from .abi import bgmv_pair_xch_words
         words = bgmv_pair_xch_words(t, k, r, h, n)

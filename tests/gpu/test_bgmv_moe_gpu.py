@@ -207,24 +207,29 @@ def test_fused_plan_equals_two_kernels_bitwise(design, dtype, finalize, t, k, h,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("finalize", [True, False])
-@pytest.mark.parametrize("t,k,h,n,r,num_l,num_e,skew", [
-    (1, 6, 2688, 2688, 32, 8, 128, False),
-    (8, 6, 2688, 2688, 32, 8, 128, False),       # 336 CTAs: one wave at 3 per SM (H200)
-    (16, 6, 1024, 512, 32, 8, 256, False),       # P = 96: the default bound
-    (4, 8, 1000, 4104, 24, 2, 16, False),        # partial last segment, column chunk; R = 24
-    (12, 8, 4096, 520, 16, 4, 64, True),          # C = 9 CTAs per token, 11 segments, skew
-    (3, 1, 8, 8, 8, 16, 512, False),              # one segment of one vector, one column chunk
-    (2, 2, 392, 16, 32, 1, 1, True),              # more shrink units than 4 warps x C CTAs
+@pytest.mark.parametrize("t,k,h,n,r,num_l,num_e,skew,plan", [
+    (1, 6, 2688, 2688, 32, 8, 128, False, True),
+    (8, 6, 2688, 2688, 32, 8, 128, False, True),  # 336 CTAs: one wave at 3 per SM (H200)
+    (16, 6, 1024, 512, 32, 8, 256, False, True),  # P = 96: the default bound
+    (4, 8, 1000, 4104, 24, 2, 16, False, True),   # partial last segment, column chunk; R = 24
+    (12, 8, 4096, 520, 16, 4, 64, True, True),    # C = 9 CTAs per token, 11 segments, skew
+    (3, 1, 8, 8, 8, 16, 512, False, True),        # one segment of one vector, one column chunk
+    # more shrink units than 4 warps x C CTAs (plans run the two kernels there): the kernel's
+    # second and further units per warp, launched directly
+    (2, 2, 392, 16, 32, 1, 1, True, False),
+    (4, 8, 3072, 3072, 32, 8, 256, False, False),
 ])
 def test_small_plan_one_launch_equals_two_kernels_bitwise(monkeypatch, dtype, finalize, t, k, h,
-                                                          n, r, num_l, num_e, skew):
-    """Ada design plans of small batches (T*k <= 96, rank <= 32, one wave of CTAs) run shrink
-    and expand in one launch (a CTA per token and column chunk that also computes a share of
-    the token's shrink and exchanges the segment partials through global memory): the same
-    bits as the two pair kernels, and both against the references; run again (the launch
-    counts of the exchange advance) with new contents and an all-dead token. (The sm90
-    design keeps its PDL-overlapped pair kernels: the one-launch kernel measured slower.)"""
+                                                          n, r, num_l, num_e, skew, plan):
+    """Ada design plans of small batches (T*k <= 96, rank <= 32, one wave of CTAs, one shrink
+    unit per unit warp) run shrink and expand in one launch (a CTA per token and column chunk
+    that also computes a share of the token's shrink and exchanges the segment partials
+    through global memory): the same bits as the two pair kernels, and both against the
+    references; run again (the launch counts of the exchange advance) with new contents and
+    an all-dead token. (The sm90 design keeps its PDL-overlapped pair kernels: the one-launch
+    kernel measured slower there.)"""
     from conftest import designs_here
+    from cutekern.abi import bgmv_pair_xch_words
     from cutekern.bgmv_moe import _binplan_function, _pair_plan_fits, _pair_plan_max
     if "ada" not in designs_here():
         pytest.skip("needs a GPU that runs the Ada design")
@@ -232,27 +237,42 @@ def test_small_plan_one_launch_equals_two_kernels_bitwise(monkeypatch, dtype, fi
     x, a, b, ids, w, lora = make(t, k, h, n, r, num_l, num_e, dtype, seed=t + r + k, skew=skew)
     fn = _binplan_function(dtype, finalize, x.device)
     assert _pair_plan_max(fn) >= t * k
-    if not _pair_plan_fits(fn, t, n, x.device):
-        pytest.skip("more CTAs than one wave of this GPU holds (an H200 holds all these)")
-    one = run_plan(x, a, b, ids, w, lora, finalize=finalize)
+    fits = _pair_plan_fits(fn, t, k, r, h, n, x.device)
+    if plan:
+        if not fits:
+            pytest.skip("more CTAs than one wave of this GPU holds (an H200 holds all these)")
+        one = run_plan(x, a, b, ids, w, lora, finalize=finalize)
+        assert one.meta["fused"] and len(one._calls) == 1
+        outs = lambda: (one.shrink_out, one.out)              # noqa: E731
+        run = one.run
+    else:
+        assert not fits and not run_plan(x, a, b, ids, w, lora, finalize=finalize).meta["fused"]
+        s1 = torch.full((t * k, r), float("nan"), dtype=dtype, device="cuda")
+        y1 = torch.full((t, n) if finalize else (t * k, n), float("nan"), device="cuda")
+        xch = torch.zeros(-(-2 * bgmv_pair_xch_words(t, k, r, h, n) // n), n, device="cuda")
+        call = fn.bind(x, a, b, ids, lora, w if finalize else torch.zeros_like(w), s1, y1, xch)
+        outs = lambda: (s1, y1)                                # noqa: E731
+        run = call.launch
+        run()
+        torch.cuda.synchronize()
     two = run_plan(x, a, b, ids, w, lora, finalize=finalize, fused=False)
-    assert one.meta["fused"] and not two.meta["fused"]
-    assert len(one._calls) == 1 and len(two._calls) == 2
+    assert len(two._calls) == 2
     for rnd in range(3):
         if rnd:
             new = make(t, k, h, n, r, num_l, num_e, dtype, seed=100 * rnd + t, skew=skew)
             for dst, src in zip((x, a, b, ids, w, lora), new):
                 dst.copy_(src)
             lora[0] = -1
-            for plan in (one, two):
-                plan.shrink_out.fill_(float("nan"))
-                plan.out.fill_(float("nan"))
-                plan.run()
+            for o in (*outs(), two.shrink_out, two.out):
+                o.fill_(float("nan"))
+            run()
+            two.run()
             torch.cuda.synchronize()
-        check_shrink(one.shrink_out, x, a, ids, lora)
-        check_expand(one.out, one.shrink_out, b, ids, lora, w if finalize else None)
-        assert torch.equal(one.shrink_out, two.shrink_out)
-        assert torch.equal(one.out, two.out)
+        s1, y1 = outs()
+        check_shrink(s1, x, a, ids, lora)
+        check_expand(y1, s1, b, ids, lora, w if finalize else None)
+        assert torch.equal(s1, two.shrink_out)
+        assert torch.equal(y1, two.out)
 
 
 @pytest.mark.parametrize("t,k,h,n,r,num_l,num_e", [
