@@ -210,14 +210,16 @@ def test_fused_plan_equals_two_kernels_bitwise(design, dtype, finalize, t, k, h,
 @pytest.mark.parametrize("t,k,h,n,r,num_l,num_e,skew,plan", [
     (1, 6, 2688, 2688, 32, 8, 128, False, True),
     (8, 6, 2688, 2688, 32, 8, 128, False, True),  # 336 CTAs: one wave at 3 per SM (H200)
-    (16, 6, 1024, 512, 32, 8, 256, False, True),  # P = 96: the default bound
+    (16, 6, 384, 1024, 8, 8, 256, False, True),   # P = 96: the default bound; R = 8
     (4, 8, 1000, 4104, 24, 2, 16, False, True),   # partial last segment, column chunk; R = 24
-    (12, 8, 4096, 520, 16, 4, 64, True, True),    # C = 9 CTAs per token, 11 segments, skew
+    (2, 2, 4096, 4096, 16, 4, 64, True, True),    # 11 segments, skew
     (3, 1, 8, 8, 8, 16, 512, False, True),        # one segment of one vector, one column chunk
     # more shrink units than 4 warps x C CTAs (plans run the two kernels there): the kernel's
     # second and further units per warp, launched directly
     (2, 2, 392, 16, 32, 1, 1, True, False),
     (4, 8, 3072, 3072, 32, 8, 256, False, False),
+    (16, 6, 1024, 512, 32, 8, 256, False, False),
+    (12, 8, 4096, 520, 16, 4, 64, True, False),   # C = 9 CTAs per token, 11 segments, skew
 ])
 def test_small_plan_one_launch_equals_two_kernels_bitwise(monkeypatch, dtype, finalize, t, k, h,
                                                           n, r, num_l, num_e, skew, plan):
@@ -240,7 +242,8 @@ def test_small_plan_one_launch_equals_two_kernels_bitwise(monkeypatch, dtype, fi
     fits = _pair_plan_fits(fn, t, k, r, h, n, x.device)
     if plan:
         if not fits:
-            pytest.skip("more CTAs than one wave of this GPU holds (an H200 holds all these)")
+            pytest.skip("on this GPU the plan runs the two kernels here (more CTAs than one "
+                        "wave); an H200 runs all these plan cases in one launch")
         one = run_plan(x, a, b, ids, w, lora, finalize=finalize)
         assert one.meta["fused"] and len(one._calls) == 1
         outs = lambda: (one.shrink_out, one.out)              # noqa: E731
