@@ -1,7 +1,9 @@
 """Where a small-batch BGMV plan's one launch spends its time (debug build): per-CTA
 globaltimer stamps of the pair kernel (config pair_timeline; export with
-`perf/tune_memops.py --make ROOT '{"tl": {"op": "bgmv", "design": "sm90",
-"op_overrides": {"bgmv_binplan": {"pair_timeline": true}}}}'`), read back after a cold-L2 graph
+`perf/tune_memops.py --make ROOT '{"tl": {"op": "bgmv", "design": "ada",
+"op_overrides": {"bgmv_binplan": {"pair_timeline": true}}}}'`, and run with
+CUTEKERN_DESIGN=ada; for the sm90 design add "pair_max_pairs": 96, whose default 0 compiles no
+such kernel), read back after a cold-L2 graph
 replay. Stamps per CTA: 0 entry, 1 routing + launch count known, 2 first shrink unit's
 vectors in shared memory (warp 0), 3 warp 0's units published, 4 warp 0's s fragment summed
 (exchange done), 5 b vectors in, 6 output stored; then the SM id. Prints quantiles of each
@@ -49,7 +51,9 @@ def main():
             s = torch.empty(t * k, r, dtype=x.dtype, device="cuda")
             y = torch.empty(t, n, dtype=torch.float32, device="cuda")
             fn = _binplan_function(x.dtype, True, x.device)
-            assert fn.meta["config"].get("pair_timeline"), "needs a pair_timeline export"
+            cfg = fn.meta["config"]
+            assert cfg.get("pair_timeline") and cfg.get("pair_max_pairs", 0) > 0, \
+                "needs an export with pair_timeline and the small-batch kernel (pair_max_pairs)"
             call = fn.bind(x, a, b, ids, lora, w, s, y, ws)
             us = 1e3 * time_graph_ms(call.launch, reps=20)
             torch.cuda.synchronize()

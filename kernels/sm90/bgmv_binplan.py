@@ -361,17 +361,17 @@ class BgmvBinPlanSm90:
         columns 64c .. 64c+63 of token t (the pair expand's work item; warp j = slot j) and
         a share of token t's shrink: the shrink's units (pair j, 8 ranks, segment of seg_h
         elements of H) are dealt to the token's C CTAs (unit u to CTA u % C, its warp
-        (u // C) % pair_unit_warps). A CTA issues its units' A and x vectors and its b
-        vectors (cp.async into shared memory) at once, runs each unit's mma chain and
+        (u // C) % pair_unit_warps). A CTA cp.asyncs its units' A and x vectors into shared
+        memory, then (once they landed) its b vectors, runs each unit's mma chain and
         publishes the 8 segment partials through the exchange buffer `ws`
         (cutekern.abi.bgmv_pair_xch_words); lane (g, q) of warp j then sums rank 8q + g of
         pair j over the segments in order (polled), which is the pair shrink's
         s = cvt(((0 + P_0) + P_1) + ...), and the warp runs the pair expand's chains on
         those s fragments. Same arithmetic as the two pair kernels, so the same bits.
-        Progress: a CTA waits only for CTAs of its own token (consecutive block indices,
-        C <= 64 for H_out <= 4096), so once a token's first CTA runs, the rest of its group
-        only needs slots that earlier, complete groups free. Sequence numbers: CTA bid's
-        word bid counts this plan's launches (every launch runs the same grid), so every CTA
+        Progress: a CTA waits only for CTAs of its own token (C consecutive block indices;
+        plans bound C to 128), so once a token's first CTA runs, the rest of its group only
+        needs slots that earlier, complete groups free. Sequence numbers: CTA bid's word bid
+        counts its launches (every launch of a plan runs the same grid), so every CTA
         expects the same number from its peers; ws starts zeroed."""
         cfg = self.cfg
         SB = BGMV_SEG_H // _KB                  # k blocks per segment
