@@ -183,13 +183,17 @@ _PAIR_PLAN_MAX_COLS = 8192
 
 
 def _pair_plan_fits(fn, t, k, r, h, n, dev) -> bool:
-    """Where the small-batch kernel is faster than the two pair kernels (Ada design, H200):
+    """Whether a plan runs the variant's small-batch kernel: it has one (T*k <= its
+    pair_max_pairs), rank <= 32, H_out <= _PAIR_PLAN_MAX_COLS, and where it measured faster
+    than the two pair kernels (Ada design, H200):
     its grid (a CTA per token and 64 output columns) fits one wave of the device (beyond, the
     CTAs of a late wave hold up their tokens' earlier ones: T=12 at H_out=2688, 1.3 waves,
     22 us against 16), and each of its unit warps takes at most one of the token's shrink
     units (a second one waits for the CTA's b vectors too: top-8 H=3072 T=4 / 8, 1.3 units
     per warp, 14.5 / 19.3 us against 13.5 / 18.1; perf/results/ab_bgmv_small_h200.json)."""
     from .abi import BGMV_PAIR_COLS, BGMV_PAIR_SMEM_BYTES, BGMV_SEG_H
+    if t * k > _pair_plan_max(fn) or r > 32 or n > _PAIR_PLAN_MAX_COLS:
+        return False
     cfg = fn.meta.get("config", {})
     ctas = -(-n // BGMV_PAIR_COLS)
     if k * (r // 8) * -(-h // BGMV_SEG_H) > int(cfg.get("pair_unit_warps", 0)) * ctas:
@@ -198,6 +202,14 @@ def _pair_plan_fits(fn, t, k, r, h, n, dev) -> bool:
     smem = getattr(props, "shared_memory_per_multiprocessor", 0) or BGMV_PAIR_SMEM_BYTES
     per_sm = min(int(cfg.get("pair_ctas_per_sm", 1)), max(1, smem // BGMV_PAIR_SMEM_BYTES))
     return t * ctas <= props.multi_processor_count * per_sm
+
+
+def _pair_xch(t, k, r, h, n, dev, extra_words=0):
+    """The small-batch kernel's exchange buffer (its `ws`, [rows, H_out] fp32), zeroed: it
+    holds the launch counts. ``extra_words``: 8-byte words after it (debug timelines)."""
+    from .abi import bgmv_pair_xch_words
+    words = bgmv_pair_xch_words(t, k, r, h, n) + extra_words
+    return torch.zeros(-(-2 * words // n), n, dtype=torch.float32, device=dev)
 
 
 def _check_order(op, sorted_token_ids, dev):
@@ -288,10 +300,11 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
     ``fused`` (None or True: where available): large batches (T*k >= the kernel's
     bin_min_pairs, 384) run shrink and expand of each (adapter, expert) bin in one launch,
     and small ones (T*k <= its pair_max_pairs, rank <= 32, H_out <= 8192) shrink and expand
-    in one launch too, where the design has that kernel (sm90, Ada); False keeps the two
-    kernels. The results are bit-identical either way; ``plan.meta["fused"]`` says which
-    ran. A plan's launches must not overlap each other (one stream at a time): the
-    small-batch kernel keeps launch counts in its own buffer.
+    in one launch too (Ada design; sm90 overlaps its two small-batch kernels through PDL),
+    where the design has those kernels; False keeps the two kernels. The results are
+    bit-identical either way; ``plan.meta["fused"]`` says which ran. A plan's launches must
+    not overlap each other (one stream at a time): the small-batch kernel keeps launch
+    counts in its own buffer.
     """
     op = "prepare_bgmv_moe"
     t, h, num_l, num_e, r = _check_x_a(op, x, lora_a)
@@ -321,12 +334,8 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
         plan = BgmvMoePlan((fc,), s, y, dict(meta, fused=True))
         plan._keep = (w, ws)
         return plan
-    if fused_fn is not None and p <= _pair_plan_max(fused_fn) and r <= 32 \
-            and n <= _PAIR_PLAN_MAX_COLS and _pair_plan_fits(fused_fn, t, k, r, h, n, dev):
-        # small batch, one launch: the exchange buffer starts zeroed (launch counts)
-        from .abi import bgmv_pair_xch_words
-        words = bgmv_pair_xch_words(t, k, r, h, n)
-        xch = torch.zeros(-(-2 * words // n), n, dtype=torch.float32, device=dev)
+    if fused_fn is not None and _pair_plan_fits(fused_fn, t, k, r, h, n, dev):
+        xch = _pair_xch(t, k, r, h, n, dev)
         fc = fused_fn.bind(x, lora_a, lora_b, topk_ids, lora_indices, w, s, y, xch)
         plan = BgmvMoePlan((fc,), s, y, dict(meta, fused=True))
         plan._keep = (w, xch)

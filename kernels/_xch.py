@@ -2,7 +2,8 @@
 one 8-byte word (seq << 32 | fp32 bits) stored relaxed at gpu scope is single-copy atomic, so a
 reader that sees the sequence number it expects also sees the value. Sequence numbers only
 grow (a writer stores the number of the current launch), so a stale word never matches.
-Used by the BGMV small-batch plan kernel (kernels/sm90/bgmv_binplan.py)."""
+Used by the AttnRes split kernels of the Ada design (kernels/sm90/attn_res.py, xchg_global) and
+the BGMV small-batch plan kernel (kernels/sm90/bgmv_binplan.py)."""
 from __future__ import annotations
 
 import cutlass.cute as cute
@@ -28,6 +29,12 @@ def xch_put(word: cute.Pointer, val: Float32, seq: Int32):
     """word <- (seq << 32 | fp32 bits of val), relaxed at gpu scope."""
     w = (Int64(seq) << 32) | (Int64(f32_bits(val)) & Int64(0xFFFFFFFF))
     cute.arch.store(word, w, sem="relaxed", scope="gpu")
+
+
+@cute.jit
+def xch_seq(word: cute.Pointer) -> Int32:
+    """The sequence number of an exchange word."""
+    return Int32(cute.arch.load(word, Int64, sem="relaxed", scope="gpu") >> 32)
 
 
 @dsl_user_op

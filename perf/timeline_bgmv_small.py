@@ -23,7 +23,7 @@ from bench_bgmv_moe import problem  # noqa: E402
 from common import time_graph_ms  # noqa: E402
 
 from cutekern.abi import BGMV_PAIR_COLS, bgmv_pair_xch_words  # noqa: E402
-from cutekern.bgmv_moe import _binplan_function  # noqa: E402
+from cutekern.bgmv_moe import _binplan_function, _pair_xch  # noqa: E402
 
 NAMES = ["entry", "routing", "unit_in", "units_out", "xch_done", "b_in", "stored"]
 
@@ -46,8 +46,7 @@ def main():
             x, a, b, ids, w, lora = problem(t, h, r, e, k, seed=t + h + r + e + k)
             n = b.shape[2]
             ctas = t * -(-n // BGMV_PAIR_COLS)
-            words = bgmv_pair_xch_words(t, k, r, h, n) + 8 * ctas
-            ws = torch.zeros(-(-2 * words // n), n, dtype=torch.float32, device="cuda")
+            ws = _pair_xch(t, k, r, h, n, x.device, extra_words=8 * ctas)
             s = torch.empty(t * k, r, dtype=x.dtype, device="cuda")
             y = torch.empty(t, n, dtype=torch.float32, device="cuda")
             fn = _binplan_function(x.dtype, True, x.device)

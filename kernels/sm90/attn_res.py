@@ -71,6 +71,7 @@ from cutlass._mlir.dialects import llvm as _llvm
 from cutlass._mlir.dialects import nvvm as _nvvm
 
 from kernels._cvt import widen
+from kernels._xch import bits_f32 as _bits_f32, xch_put as _xch_put, xch_seq as _xch_seq
 from cutekern.abi import (ATTN_RES_XCH_MAX_CTAS, ATTN_RES_XCH_OFF_WORDS, ATTN_RES_XCH_RECORD,
                           ATTN_RES_XCH_SPLITS)
 
@@ -237,31 +238,6 @@ def _st_async_f32(dst: cute.Pointer, val: Float32, mbar: cute.Pointer, peer,
     that CTA's mbarrier at the mapped address of mbar."""
     bits = _llvm.bitcast(Int32.mlir_type, Float32(val).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
     cute.arch.store_async_dsmem(dst, Int32(bits), mbar, peer, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _f32_bits(val: Float32, *, loc=None, ip=None) -> Int32:
-    return Int32(_llvm.bitcast(Int32.mlir_type, Float32(val).ir_value(loc=loc, ip=ip),
-                               loc=loc, ip=ip))
-
-
-@dsl_user_op
-def _bits_f32(bits: Int32, *, loc=None, ip=None) -> Float32:
-    return Float32(_llvm.bitcast(Float32.mlir_type, Int32(bits).ir_value(loc=loc, ip=ip),
-                                 loc=loc, ip=ip))
-
-
-@cute.jit
-def _xch_put(word: cute.Pointer, val: Float32, seq: Int32):
-    """Global exchange: one 8-byte word (seq << 32 | fp32 bits of val), relaxed at gpu scope:
-    single-copy atomic, so a reader that sees seq also sees val (no fence, no flag)."""
-    w = (Int64(seq) << 32) | (Int64(_f32_bits(val)) & Int64(0xFFFFFFFF))
-    cute.arch.store(word, w, sem="relaxed", scope="gpu")
-
-
-@cute.jit
-def _xch_seq(word: cute.Pointer) -> Int32:
-    return Int32(cute.arch.load(word, Int64, sem="relaxed", scope="gpu") >> 32)
 
 
 def split_build(dtype, max_hidden: int, row_split: int, *, split_consumer_warps: int,

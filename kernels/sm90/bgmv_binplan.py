@@ -585,49 +585,24 @@ class BgmvBinPlanSm90:
     def _unit_issue(self, x, a, sA, sX, u, has, lo, sex, t, NTL, nseg, nvec, L, E, va, vx, g, q,
                     cp_atom):
         """cp.async the A vectors (each lane) and x vectors (lanes g == 0) of shrink unit u,
-        as the pair shrink's staged build lays them out (vectors past H not loaded)."""
-        SB = BGMV_SEG_H // _KB
+        as the pair shrink's staged build does (vectors past H not loaded)."""
         if has:
             ju, nt, seg = self._unit_decode(u, NTL, nseg)
             ex = sex[ju]
             if routed(lo, ex, L, E):
-                h0 = seg * BGMV_SEG_H + _VEC * q
-                xs = cute.make_tensor(
-                    x.iterator + cute.assume(t * x.stride[0] + h0, divby=_VEC),
-                    cute.make_layout((_VEC, SB), stride=(1, _KB)))
-                as_ = cute.make_tensor(
-                    slab_ptr(a, lo, ex, _VEC) + cute.assume((nt * 8 + g) * a.stride[2] + h0,
-                                                            divby=_VEC),
-                    cute.make_layout((_VEC, SB), stride=(1, _KB)))
-                for bb in cutlass.range_constexpr(SB):
-                    if (seg * SB + bb) * 4 + q < nvec:
-                        cute.copy(cp_atom, as_[None, bb],
-                                  cute.local_tile(sA, (_VEC,), (va + 32 * bb,)))
-                        if g == 0:
-                            cute.copy(cp_atom, xs[None, bb],
-                                      cute.local_tile(sX, (_VEC,), (vx + 4 * bb,)))
+                xs, as_ = self.sh.seg_views(x, a, t, lo, ex, nt * 8 + g, seg, q)
+                self.sh.seg_copy(xs, as_, sA, sX, seg, nvec, va, vx, g, q, cp_atom)
 
     @cute.jit
     def _unit_run(self, sA, sX, slots, u, seq, lo, sex, t, K, NTL, nseg, nvec, L, E, va, vx,
                   g, q):
-        """Shrink unit u (its vectors in shared memory): the pair shrink's segment chain
-        (mma over the segment's k blocks from 0, the pair's x in every tile row), its 8
-        partials published by the lanes g == 0 (dead pairs publish nothing: never polled)."""
-        SB = BGMV_SEG_H // _KB
+        """Shrink unit u (its vectors in shared memory): the pair shrink's segment chain, its
+        8 partials published by the lanes g == 0 (dead pairs publish nothing: never polled)."""
         ju, nt, seg = self._unit_decode(u, NTL, nseg)
         if routed(lo, sex[ju], L, E):
             acc = cute.make_rmem_tensor((4,), Float32)
             acc.fill(0.0)
-            for bb in cutlass.range_constexpr(SB):
-                xf = cute.make_rmem_tensor((_VEC,), self.dtype)
-                af = cute.make_rmem_tensor((_VEC,), self.dtype)
-                xf.fill(0.0)
-                af.fill(0.0)
-                if (seg * SB + bb) * 4 + q < nvec:
-                    cute.autovec_copy(cute.local_tile(sX, (_VEC,), (vx + 4 * bb,)), xf)
-                    cute.autovec_copy(cute.local_tile(sA, (_VEC,), (va + 32 * bb,)), af)
-                xw_ = words(xf)
-                mma_block(xw_, xw_, words(af), acc, self.bf16)
+            self.sh.seg_chain(sA, sX, acc, seg, nvec, va, vx, q)
             if g == 0:
                 wp = slots + (((t * K + ju) * NTL + nt) * nseg + seg) * 8 + 2 * q
                 xch_put(wp, acc[0], seq)

@@ -330,13 +330,7 @@ class BgmvShrinkSm90:
                         # lane (g, q) loads vector q of every k block of the segment from
                         # one base per operand (immediate offsets: few address registers);
                         # vectors past H stay zero
-                        h0 = seg * (SB * _KB) + _VEC * q
-                        xs = cute.make_tensor(
-                            x.iterator + cute.assume(t * x.stride[0] + h0, divby=_VEC),
-                            cute.make_layout((_VEC, SB), stride=(1, _KB)))
-                        as_ = cute.make_tensor(
-                            slab_ptr(a, lo, ex, _VEC) + cute.assume(r * a.stride[2] + h0, divby=_VEC),
-                            cute.make_layout((_VEC, SB), stride=(1, _KB)))
+                        xs, as_ = self.seg_views(x, a, t, lo, ex, r, seg, q)
                         acc = cute.make_rmem_tensor((4,), cutlass.Float32)
                         acc.fill(0.0)
                         if cutlass.const_expr(staged):
@@ -372,6 +366,18 @@ class BgmvShrinkSm90:
             if valid & (tidx < 8):
                 s[pc, nt * 8 + tidx] = tot.to(self.dtype)   # 0 for a skipped pair
 
+    def seg_views(self, x: cute.Tensor, a: cute.Tensor, t, lo, ex, r, seg, q):
+        """Lane (g, q)'s vectors of one segment: x[t] and A[lo, ex] row r, vector q of every
+        k block ((8, SB) tensors from one base each: immediate offsets, few address registers)."""
+        SB = self.cfg.seg_h // _KB
+        h0 = seg * (SB * _KB) + _VEC * q
+        xs = cute.make_tensor(x.iterator + cute.assume(t * x.stride[0] + h0, divby=_VEC),
+                              cute.make_layout((_VEC, SB), stride=(1, _KB)))
+        as_ = cute.make_tensor(
+            slab_ptr(a, lo, ex, _VEC) + cute.assume(r * a.stride[2] + h0, divby=_VEC),
+            cute.make_layout((_VEC, SB), stride=(1, _KB)))
+        return xs, as_
+
     @cute.jit
     def _pair_seg_smem(self, xs: cute.Tensor, as_: cute.Tensor, sA: cute.Tensor,
                        sX: cute.Tensor, acc: cute.Tensor, seg: cutlass.Int32,
@@ -384,14 +390,34 @@ class BgmvShrinkSm90:
         SB = self.cfg.seg_h // _KB
         va = warp * (SB * 32) + lane
         vx = warp * (SB * 4) + q
+        self.seg_copy(xs, as_, sA, sX, seg, nvec, va, vx, g, q, cp_atom)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_warp()      # the x vectors come from the lanes g == 0
+        self.seg_chain(sA, sX, acc, seg, nvec, va, vx, q)
+        # the next round's copies overwrite this warp's vectors: every lane has read them
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def seg_copy(self, xs: cute.Tensor, as_: cute.Tensor, sA: cute.Tensor, sX: cute.Tensor,
+                 seg: cutlass.Int32, nvec: cutlass.Int32, va: cutlass.Int32, vx: cutlass.Int32,
+                 g: cutlass.Int32, q: cutlass.Int32, cp_atom):
+        """cp.async a segment's vectors (seg_views) into the warp's slots: the lane's A vectors
+        at va + 32 * block (lane-major per k block: conflict-free reads), the x vectors (lanes
+        g == 0) at vx + 4 * block; vectors past H are not loaded."""
+        SB = self.cfg.seg_h // _KB
         for bb in cutlass.range_constexpr(SB):
             if (seg * SB + bb) * 4 + q < nvec:
                 cute.copy(cp_atom, as_[None, bb], cute.local_tile(sA, (_VEC,), (va + 32 * bb,)))
                 if g == 0:
                     cute.copy(cp_atom, xs[None, bb], cute.local_tile(sX, (_VEC,), (vx + 4 * bb,)))
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_warp()      # the x vectors come from the lanes g == 0
+
+    @cute.jit
+    def seg_chain(self, sA: cute.Tensor, sX: cute.Tensor, acc: cute.Tensor, seg: cutlass.Int32,
+                  nvec: cutlass.Int32, va: cutlass.Int32, vx: cutlass.Int32, q: cutlass.Int32):
+        """acc += the segment's mma chain on the vectors seg_copy left in shared memory (the
+        pair's x in every tile row; vectors past H are zeros): P_seg when acc starts at 0."""
+        SB = self.cfg.seg_h // _KB
         for bb in cutlass.range_constexpr(SB):
             xf = cute.make_rmem_tensor((_VEC,), self.dtype)
             af = cute.make_rmem_tensor((_VEC,), self.dtype)
@@ -402,8 +428,6 @@ class BgmvShrinkSm90:
                 cute.autovec_copy(cute.local_tile(sA, (_VEC,), (va + 32 * bb,)), af)
             xw = words(xf)
             mma_block(xw, xw, words(af), acc, self.bf16)
-        # the next round's copies overwrite this warp's vectors: every lane has read them
-        cute.arch.sync_warp()
 
     # ================================================================== bin schedule
     @cute.kernel

@@ -231,8 +231,7 @@ def test_small_plan_one_launch_equals_two_kernels_bitwise(monkeypatch, dtype, fi
     an all-dead token. (The sm90 design keeps its PDL-overlapped pair kernels: the one-launch
     kernel measured slower there.)"""
     from conftest import designs_here
-    from cutekern.abi import bgmv_pair_xch_words
-    from cutekern.bgmv_moe import _binplan_function, _pair_plan_fits, _pair_plan_max
+    from cutekern.bgmv_moe import _binplan_function, _pair_plan_fits, _pair_plan_max, _pair_xch
     if "ada" not in designs_here():
         pytest.skip("needs a GPU that runs the Ada design")
     monkeypatch.setenv("CUTEKERN_DESIGN", "ada")
@@ -252,7 +251,7 @@ def test_small_plan_one_launch_equals_two_kernels_bitwise(monkeypatch, dtype, fi
         assert not fits and not run_plan(x, a, b, ids, w, lora, finalize=finalize).meta["fused"]
         s1 = torch.full((t * k, r), float("nan"), dtype=dtype, device="cuda")
         y1 = torch.full((t, n) if finalize else (t * k, n), float("nan"), device="cuda")
-        xch = torch.zeros(-(-2 * bgmv_pair_xch_words(t, k, r, h, n) // n), n, device="cuda")
+        xch = _pair_xch(t, k, r, h, n, x.device)
         call = fn.bind(x, a, b, ids, lora, w if finalize else torch.zeros_like(w), s1, y1, xch)
         outs = lambda: (s1, y1)                                # noqa: E731
         run = call.launch
