@@ -94,6 +94,19 @@ class BgmvBinPlanSm90Config:
     small_max_per_bin: int = 2
     fin_threads: int = 128
     fin_ctas_per_sm: int = 8
+    group_mtiles: int = 1          # 16-pair m-tiles per group (both phases)
+    # A third shape for rank > 32 at many pairs per bin (P >= wide_min_per_bin * L * E; 0:
+    # none): wide_mtiles m-tiles per group at wide_ctas_per_sm CTAs per SM, so a bin of up to
+    # 16 * wide_mtiles pairs streams its weights once (one group) where the default shape
+    # streams them once per 16 pairs, and 3 CTAs per SM leave the 33..64-rank build the
+    # registers (and the doubled x ring the shared memory) it needs. H200 (perf/results/
+    # tune_memops_h200_bgmv_groups.json, two orders x two rounds): H=2688 r=64 E=128 L=8 top-6
+    # T=2048 (12 pairs per bin on average, ~10% of the bins over 16) 357-358.5 -> 322-323.5 us;
+    # at 6 per bin (T=1024) 226 -> 253 (hence the bound), at rank 16 / 32 T=2048 -2.8% /
+    # +0.5% (not taken). Compiled for the rank > 32 class only.
+    wide_min_per_bin: int = 10
+    wide_ctas_per_sm: int = 3
+    wide_mtiles: int = 2
     # Small batches: plans with P <= pair_max_pairs at rank <= 32 whose grid fits one wave
     # run pair_kernel (a CTA per (token, 64 output columns) doing a share of the token's
     # shrink as well; see its docstring) instead of the two pair kernels; 0: never (not
@@ -109,14 +122,21 @@ class BgmvBinPlanSm90Config:
 
 def _small_shape(c: BgmvBinPlanSm90Config) -> BgmvBinPlanSm90Config:
     return replace(c, bin_warps=c.small_warps, bin_ctas_per_sm=c.small_ctas_per_sm,
-                   shrink_stages=c.small_stages, expand_stages=c.small_stages, small_per_bin=0)
+                   shrink_stages=c.small_stages, expand_stages=c.small_stages, small_per_bin=0,
+                   group_mtiles=1, wide_min_per_bin=0)
+
+
+def _wide_shape(c: BgmvBinPlanSm90Config) -> BgmvBinPlanSm90Config:
+    return replace(c, bin_ctas_per_sm=c.wide_ctas_per_sm, group_mtiles=c.wide_mtiles,
+                   small_per_bin=0, wide_min_per_bin=0)
 
 
 def _shrink_cfg(c: BgmvBinPlanSm90Config) -> BgmvShrinkSm90Config:
     return BgmvShrinkSm90Config(bin_min_pairs=c.bin_min_pairs, bin_warps=c.bin_warps,
                                 bin_chunk_h=c.shrink_chunk_h, bin_stages=c.shrink_stages,
                                 bin_scan_unroll=c.scan_unroll, bin_ctas_per_sm=c.bin_ctas_per_sm,
-                                bin_prefetch_min=c.prefetch_min, bin_small_per_bin=0, pdl=False)
+                                bin_prefetch_min=c.prefetch_min, bin_small_per_bin=0, pdl=False,
+                                bin_mtiles=c.group_mtiles)
 
 
 def _expand_cfg(c: BgmvBinPlanSm90Config) -> BgmvExpandSm90Config:
@@ -124,13 +144,14 @@ def _expand_cfg(c: BgmvBinPlanSm90Config) -> BgmvExpandSm90Config:
                                 bin_cols=c.expand_cols, bin_stages=c.expand_stages,
                                 bin_scan_unroll=c.scan_unroll, bin_ctas_per_sm=c.bin_ctas_per_sm,
                                 bin_prefetch_min=c.prefetch_min, fin_threads=c.fin_threads,
-                                fin_ctas_per_sm=c.fin_ctas_per_sm, pdl=False, bin_pdl=False)
+                                fin_ctas_per_sm=c.fin_ctas_per_sm, pdl=False, bin_pdl=False,
+                                bin_mtiles=c.group_mtiles)
 
 
 def _ring_elems(c: BgmvBinPlanSm90Config) -> tuple:
     """(A elements, x elements, B elements) of the rings (B aliases A + x)."""
     a = c.shrink_stages * _R_MAX * c.shrink_chunk_h
-    x = c.shrink_stages * 2 * 16 * c.shrink_chunk_h
+    x = c.shrink_stages * 2 * 16 * c.group_mtiles * c.shrink_chunk_h
     b = c.expand_stages * c.expand_cols * _R_MAX
     return a, x, b
 
@@ -138,7 +159,8 @@ def _ring_elems(c: BgmvBinPlanSm90Config) -> tuple:
 def _smem_bytes(c: BgmvBinPlanSm90Config) -> int:
     a, x, b = _ring_elems(c)
     nt = 32 * c.bin_warps
-    return 2 * max(a + x, b) + 4 * (nt * c.scan_unroll + 16) + 4 * c.scan_unroll * c.bin_warps \
+    return 2 * max(a + x, b) + 4 * (nt * c.scan_unroll + 16 * c.group_mtiles) \
+        + 4 * c.scan_unroll * c.bin_warps \
         + 1024
 
 
@@ -151,7 +173,8 @@ def _pair_smem_bytes(c: BgmvBinPlanSm90Config) -> int:
 class BgmvBinPlanSm90:
     SMEM_LIMIT = _SMEM_LIMIT    # per CTA (the Ada design's subclass lowers it)
 
-    def __init__(self, dtype, finalize: bool, config: BgmvBinPlanSm90Config = BgmvBinPlanSm90Config()):
+    def __init__(self, dtype, finalize: bool, config: BgmvBinPlanSm90Config = BgmvBinPlanSm90Config(),
+                 wide_ranks: bool = False):
         if not type(self).can_implement(dtype, config):
             raise ValueError(f"{type(self).__name__} cannot implement {dtype} with {config}")
         self.dtype = dtype
@@ -160,18 +183,26 @@ class BgmvBinPlanSm90:
         self.cfg = config
         self.sh = BgmvShrinkSm90(dtype, _shrink_cfg(config))
         self.ex = BgmvExpandSm90(dtype, finalize, _expand_cfg(config))
+        self.wide_ranks = wide_ranks     # the bin kernel's rank > 32 build only
         self.small = None
         if config.small_per_bin > 0:
             self.small = type(self)(dtype, finalize, _small_shape(config))
+        self.wide = None
+        if config.wide_min_per_bin > 0:
+            self.wide = type(self)(dtype, finalize, _wide_shape(config), wide_ranks=True)
 
     @classmethod
     def can_implement(cls, dtype, config: BgmvBinPlanSm90Config) -> bool:
         c = config
-        if not (c.bin_min_pairs >= 1 and c.bin_ctas_per_sm >= 1 and c.prefetch_min >= 0):
+        if not (c.bin_min_pairs >= 1 and c.bin_ctas_per_sm >= 1 and c.prefetch_min >= 0
+                and 1 <= c.group_mtiles <= 4):
             return False
         if c.small_per_bin < 0 or c.small_min_per_bin < 0:
             return False
         if c.small_per_bin > 0 and not cls.can_implement(dtype, _small_shape(c)):
+            return False
+        if c.wide_min_per_bin < 0 or (c.wide_min_per_bin > 0
+                                      and not cls.can_implement(dtype, _wide_shape(c))):
             return False
         if c.overlap and (c.shrink_stages != c.expand_stages
                           or c.shrink_chunk_h != c.expand_cols):
@@ -221,17 +252,23 @@ class BgmvBinPlanSm90:
         T = x.shape[0]
         N = b.shape[2]
         out = ws if self.finalize else y
+        items = a.shape[0] * a.shape[1]
+        P = T * topk_ids.shape[1]
+        wide = cutlass.Boolean(False)
+        if cutlass.const_expr(self.wide is not None):
+            wide = (a.shape[2] > _KB) & (P >= cfg.wide_min_per_bin * items)
+        small = cutlass.Boolean(False)
         if cutlass.const_expr(self.small is not None):
-            items = a.shape[0] * a.shape[1]
-            P = T * topk_ids.shape[1]
             small = ((P > cfg.small_min_per_bin * items) & (P < cfg.small_per_bin * items)) \
                 | ((items > cfg.small_min_bins) & (items <= cfg.small_max_bins)
                    & (P >= items) & (P <= cfg.small_max_per_bin * items))
-            if small:
+        if wide:
+            if cutlass.const_expr(self.wide is not None):
+                self.wide.launch_bins(x, a, b, topk_ids, lora, s, out, stream)
+        elif small:
+            if cutlass.const_expr(self.small is not None):
                 self.small.launch_bins(x, a, b, topk_ids, lora, s, out, stream)
-            else:
-                self.launch_bins(x, a, b, topk_ids, lora, s, out, stream)
-        else:   # no small shape (the Ada design)
+        else:
             self.launch_bins(x, a, b, topk_ids, lora, s, out, stream)
         if cutlass.const_expr(self.finalize):
             fcols = 4 * cfg.fin_threads
@@ -260,7 +297,7 @@ class BgmvBinPlanSm90:
         cfg = self.cfg
         BW, SU = cfg.bin_warps, cfg.scan_unroll
         NT = 32 * BW
-        CAP = NT * SU + 16
+        CAP = NT * SU + 16 * cfg.group_mtiles
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
@@ -297,15 +334,19 @@ class BgmvBinPlanSm90:
             l_b = w // E
             e_b = w - l_b * E
             # ring rows by rank class (the stand-alone kernels' specializations)
-            if R > 32:
+            if cutlass.const_expr(self.wide_ranks):      # (a plan takes it at R > 32 only)
                 self.item(x, a, b, s, out, sA, sX, sB, slist, swc, lora, topk_ids, l_b, e_b,
                           N, P, K, tidx, warp, lane, pre, 64, 64)
-            elif R > 16:
-                self.item(x, a, b, s, out, sA, sX, sB, slist, swc, lora, topk_ids, l_b, e_b,
-                          N, P, K, tidx, warp, lane, pre, 32, 32)
             else:
-                self.item(x, a, b, s, out, sA, sX, sB, slist, swc, lora, topk_ids, l_b, e_b,
-                          N, P, K, tidx, warp, lane, pre, 32, 16)
+                if R > 32:
+                    self.item(x, a, b, s, out, sA, sX, sB, slist, swc, lora, topk_ids, l_b,
+                              e_b, N, P, K, tidx, warp, lane, pre, 64, 64)
+                elif R > 16:
+                    self.item(x, a, b, s, out, sA, sX, sB, slist, swc, lora, topk_ids, l_b,
+                              e_b, N, P, K, tidx, warp, lane, pre, 32, 32)
+                else:
+                    self.item(x, a, b, s, out, sA, sX, sB, slist, swc, lora, topk_ids, l_b,
+                              e_b, N, P, K, tidx, warp, lane, pre, 32, 16)
 
     @cute.jit
     def item(self, x, a, b, s, out, sA, sX, sB, slist, swc, lora, topk_ids, l_b, e_b, N, P, K,
@@ -318,7 +359,7 @@ class BgmvBinPlanSm90:
         run_bin(lambda off, n, f: self.group(x, a, b, s, out, sA, sX, sB, slist, off, n, l_b,
                                              e_b, N, K, tidx, warp, lane, f, RT, RW),
                 lora, topk_ids, l_b, e_b, P, K, slist, swc, tidx, warp, lane, pre, NT,
-                cfg.bin_warps, cfg.scan_unroll, 16)
+                cfg.bin_warps, cfg.scan_unroll, 16 * cfg.group_mtiles)
 
     @cute.jit
     def group(self, x, a, b, s, out, sA, sX, sB, slist, off, n, l_b, e_b, N, K, tidx, warp,
