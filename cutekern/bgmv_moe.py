@@ -166,6 +166,11 @@ def _workspace(expand_fn, p, n, finalize, y, device):
     return torch.empty(rows, n, dtype=torch.float32, device=device)
 
 
+def _nbytes(ws, y) -> int:
+    """Bytes of a plan's own workspace (0 where the kernels write y directly)."""
+    return 0 if ws is y else ws.numel() * ws.element_size()
+
+
 def _bin_threshold(fn) -> int:
     """P from which a variant runs its bin schedule (its config's bin_min*; 0 when none)."""
     cfg = fn.meta.get("config", {})
@@ -304,7 +309,9 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
     where the design has those kernels; False keeps the two kernels. The results are
     bit-identical either way; ``plan.meta["fused"]`` says which ran. A plan's launches must
     not overlap each other (one stream at a time): the small-batch kernel keeps launch
-    counts in its own buffer.
+    counts in its own buffer. ``plan.meta["workspace_bytes"]``: the size of the plan's workspace
+    buffer; finalized large batches (T*k >= 384) need an fp32 [T*k, H_out] workspace
+    (T=4096, top-8, H_out=4096: 512 MiB).
     """
     op = "prepare_bgmv_moe"
     t, h, num_l, num_e, r = _check_x_a(op, x, lora_a)
@@ -324,20 +331,20 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
     meta = {"T": t, "k": k, "P": p, "H": h, "N": n, "r": r, "L": num_l, "E": num_e,
             "elem_bytes": x.element_size(), "finalize": finalize}
     if t == 0:
-        return BgmvMoePlan((), s, y, dict(meta, fused=False))
+        return BgmvMoePlan((), s, y, dict(meta, fused=False, workspace_bytes=0))
     w = _expand_weights(topk_weights, finalize, t, k, dev)
     fused_fn = _binplan_function(x.dtype, finalize, dev) if fused is not False else None
     if fused_fn is not None and p >= _bin_threshold(fused_fn):
         # (bin schedules only: `order` is not used, the pairs are collected per bin)
         ws = _workspace(fused_fn, p, n, finalize, y, dev)
         fc = fused_fn.bind(x, lora_a, lora_b, topk_ids, lora_indices, w, s, y, ws)
-        plan = BgmvMoePlan((fc,), s, y, dict(meta, fused=True))
+        plan = BgmvMoePlan((fc,), s, y, dict(meta, fused=True, workspace_bytes=_nbytes(ws, y)))
         plan._keep = (w, ws)
         return plan
     if fused_fn is not None and _pair_plan_fits(fused_fn, t, k, r, h, n, dev):
         xch = _pair_xch(t, k, r, h, n, dev)
         fc = fused_fn.bind(x, lora_a, lora_b, topk_ids, lora_indices, w, s, y, xch)
-        plan = BgmvMoePlan((fc,), s, y, dict(meta, fused=True))
+        plan = BgmvMoePlan((fc,), s, y, dict(meta, fused=True, workspace_bytes=_nbytes(xch, y)))
         plan._keep = (w, xch)
         return plan
     order = _order(sorted_token_ids, p, dev)
@@ -345,7 +352,7 @@ def prepare_bgmv_moe(x, lora_a, lora_b, topk_ids, topk_weights, lora_indices, *,
     ws = _workspace(expand_fn, p, n, finalize, y, dev)
     sc = shrink_fn.bind(x, lora_a, topk_ids, lora_indices, order, s)
     ec = expand_fn.bind(s, lora_b, topk_ids, lora_indices, w, y, ws)
-    plan = BgmvMoePlan((sc, ec), s, y, dict(meta, fused=False))
+    plan = BgmvMoePlan((sc, ec), s, y, dict(meta, fused=False, workspace_bytes=_nbytes(ws, y)))
     plan._keep = (order, w, ws)
     return plan
 

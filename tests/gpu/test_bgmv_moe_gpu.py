@@ -203,6 +203,9 @@ def test_fused_plan_equals_two_kernels_bitwise(design, dtype, finalize, t, k, h,
     one = run_plan(x, a, b, ids, w, lora, finalize=finalize)
     two = run_plan(x, a, b, ids, w, lora, finalize=finalize, fused=False)
     assert one.meta["fused"] and not two.meta["fused"]    # both designs have the kernel
+    # the fp32 per-pair workspace of a finalized bin schedule (none when y is per pair)
+    ws_bytes = t * k * n * 4 if finalize else 0
+    assert one.meta["workspace_bytes"] == two.meta["workspace_bytes"] == ws_bytes
     check_shrink(one.shrink_out, x, a, ids, lora)
     check_expand(one.out, one.shrink_out, b, ids, lora, w if finalize else None)
     assert torch.equal(one.shrink_out, two.shrink_out)
