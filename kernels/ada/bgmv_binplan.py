@@ -22,7 +22,7 @@ class BgmvBinPlanAdaConfig(BgmvBinPlanSm90Config):
     """BgmvBinPlanSm90Config (~54 KB of rings per CTA) at 3 CTAs per SM and without the small
     shape: at the sm90 bounds (4 x 4 warps, 8 x 2 warps: 128 registers) sm_80 / sm_89's ptxas
     spills both, and the small shape still spills at 6 CTAs per SM (168 registers). Nor the
-    sm90 design's wide shape (rank > 32 at many pairs per bin): not measured for this design.
+    sm90 design's wide shape (many pairs per bin): not measured for this design.
     With the small-batch kernel (pair_max_pairs): without PDL the design's two pair kernels
     run one after the other, and one launch was faster on the H200 up to one wave of its
     CTAs (see BgmvBinPlanSm90Config.pair_max_pairs; perf/results/ab_bgmv_small_h200.json)."""

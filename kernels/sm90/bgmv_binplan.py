@@ -95,18 +95,22 @@ class BgmvBinPlanSm90Config:
     fin_threads: int = 128
     fin_ctas_per_sm: int = 8
     group_mtiles: int = 1          # 16-pair m-tiles per group (both phases)
-    # A third shape for rank > 32 at many pairs per bin (P >= wide_min_per_bin * L * E; 0:
-    # none): wide_mtiles m-tiles per group at wide_ctas_per_sm CTAs per SM, so a bin of up to
-    # 16 * wide_mtiles pairs streams its weights once (one group) where the default shape
-    # streams them once per 16 pairs, and 3 CTAs per SM leave the 33..64-rank build the
-    # registers (and the doubled x ring the shared memory) it needs. H200 (perf/results/
-    # tune_memops_h200_bgmv_groups.json, two orders x two rounds): H=2688 r=64 E=128 L=8 top-6
-    # T=2048 (12 pairs per bin on average, ~10% of the bins over 16) 357-358.5 -> 322-323.5 us;
-    # at 6 per bin (T=1024) 226 -> 253 (hence the bound), at rank 16 / 32 T=2048 -2.8% /
-    # +0.5% (not taken). Compiled for the rank > 32 class only.
+    # A third shape for many pairs per bin (P >= wide_min_per_bin * L * E; 0: none), at ranks
+    # above wide_rank_min (32, 16 or 0: the builds compiled into it): groups of 16 *
+    # wide_mtiles pairs, so a bin of up to 32 pairs streams its weights once (one group) where
+    # the default shape streams them once per 16 pairs, at wide_ctas_per_sm CTAs per SM with
+    # wide_stages ring stages (the doubled x ring fits 4 CTAs per SM at 3 stages). At ~12
+    # pairs per bin ~10% of the bins hold more than 16. H200 (graph replays, cold L2, two
+    # process orders x two rounds), T=2048 top-6 E=128 L=8: H=2688 r=32 215.5-217 -> 201.5-202.6
+    # us, r=16 190-192.6 -> 165.7-166.5, r=64 357-358.5 -> 287.6-288.5 (3 CTAs per SM x 4
+    # stages: 317-323), H=3072 r=32 254.6-258 -> 224.6-225 (perf/results/tune_memops_h200_bgmv_
+    # groups.json, _groups_wide.json). At 6 pairs per bin (T=1024) 0 to +4%, 3 CTAs per SM up
+    # to +12%; at 8 per bin (top-8 E=256 T=2048) -2%: hence the bound.
     wide_min_per_bin: int = 10
-    wide_ctas_per_sm: int = 3
+    wide_ctas_per_sm: int = 4
     wide_mtiles: int = 2
+    wide_stages: int = 3
+    wide_rank_min: int = 0         # the shape serves ranks above this (32, 16 or 0)
     # Small batches: plans with P <= pair_max_pairs at rank <= 32 whose grid fits one wave
     # run pair_kernel (a CTA per (token, 64 output columns) doing a share of the token's
     # shrink as well; see its docstring) instead of the two pair kernels; 0: never (not
@@ -128,6 +132,7 @@ def _small_shape(c: BgmvBinPlanSm90Config) -> BgmvBinPlanSm90Config:
 
 def _wide_shape(c: BgmvBinPlanSm90Config) -> BgmvBinPlanSm90Config:
     return replace(c, bin_ctas_per_sm=c.wide_ctas_per_sm, group_mtiles=c.wide_mtiles,
+                   shrink_stages=c.wide_stages, expand_stages=c.wide_stages,
                    small_per_bin=0, wide_min_per_bin=0)
 
 
@@ -174,7 +179,7 @@ class BgmvBinPlanSm90:
     SMEM_LIMIT = _SMEM_LIMIT    # per CTA (the Ada design's subclass lowers it)
 
     def __init__(self, dtype, finalize: bool, config: BgmvBinPlanSm90Config = BgmvBinPlanSm90Config(),
-                 wide_ranks: bool = False):
+                 rank_min: int = 0):
         if not type(self).can_implement(dtype, config):
             raise ValueError(f"{type(self).__name__} cannot implement {dtype} with {config}")
         self.dtype = dtype
@@ -183,13 +188,14 @@ class BgmvBinPlanSm90:
         self.cfg = config
         self.sh = BgmvShrinkSm90(dtype, _shrink_cfg(config))
         self.ex = BgmvExpandSm90(dtype, finalize, _expand_cfg(config))
-        self.wide_ranks = wide_ranks     # the bin kernel's rank > 32 build only
+        self.rank_min = rank_min         # the bin kernel's builds for ranks above this only
         self.small = None
         if config.small_per_bin > 0:
             self.small = type(self)(dtype, finalize, _small_shape(config))
         self.wide = None
         if config.wide_min_per_bin > 0:
-            self.wide = type(self)(dtype, finalize, _wide_shape(config), wide_ranks=True)
+            self.wide = type(self)(dtype, finalize, _wide_shape(config),
+                                   rank_min=config.wide_rank_min)
 
     @classmethod
     def can_implement(cls, dtype, config: BgmvBinPlanSm90Config) -> bool:
@@ -200,6 +206,8 @@ class BgmvBinPlanSm90:
         if c.small_per_bin < 0 or c.small_min_per_bin < 0:
             return False
         if c.small_per_bin > 0 and not cls.can_implement(dtype, _small_shape(c)):
+            return False
+        if c.wide_rank_min not in (0, 16, 32):
             return False
         if c.wide_min_per_bin < 0 or (c.wide_min_per_bin > 0
                                       and not cls.can_implement(dtype, _wide_shape(c))):
@@ -256,7 +264,7 @@ class BgmvBinPlanSm90:
         P = T * topk_ids.shape[1]
         wide = cutlass.Boolean(False)
         if cutlass.const_expr(self.wide is not None):
-            wide = (a.shape[2] > _KB) & (P >= cfg.wide_min_per_bin * items)
+            wide = (a.shape[2] > cfg.wide_rank_min) & (P >= cfg.wide_min_per_bin * items)
         small = cutlass.Boolean(False)
         if cutlass.const_expr(self.small is not None):
             small = ((P > cfg.small_min_per_bin * items) & (P < cfg.small_per_bin * items)) \
@@ -334,9 +342,16 @@ class BgmvBinPlanSm90:
             l_b = w // E
             e_b = w - l_b * E
             # ring rows by rank class (the stand-alone kernels' specializations)
-            if cutlass.const_expr(self.wide_ranks):      # (a plan takes it at R > 32 only)
+            if cutlass.const_expr(self.rank_min >= 32):   # (plans run it at R > 32 only)
                 self.item(x, a, b, s, out, sA, sX, sB, slist, swc, lora, topk_ids, l_b, e_b,
                           N, P, K, tidx, warp, lane, pre, 64, 64)
+            elif cutlass.const_expr(self.rank_min >= 16):
+                if R > 32:
+                    self.item(x, a, b, s, out, sA, sX, sB, slist, swc, lora, topk_ids, l_b,
+                              e_b, N, P, K, tidx, warp, lane, pre, 64, 64)
+                else:
+                    self.item(x, a, b, s, out, sA, sX, sB, slist, swc, lora, topk_ids, l_b,
+                              e_b, N, P, K, tidx, warp, lane, pre, 32, 32)
             else:
                 if R > 32:
                     self.item(x, a, b, s, out, sA, sX, sB, slist, swc, lora, topk_ids, l_b,

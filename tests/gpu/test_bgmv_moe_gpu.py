@@ -188,10 +188,12 @@ def test_batch_invariance(design, finalize, h, n, r):
     (700, 8, 1000, 1016, 24, 4, 64, False),
     (400, 2, 3080, 520, 64, 8, 128, True),
     (300, 6, 2688, 1032, 16, 8, 128, False),
-    # sm90's wide shape (rank > 32, P >= 10 pairs per bin: groups of 32 pairs at 3 CTAs per
-    # SM): ~20 live pairs per bin at rank 40; with skew ~48 per bin (a group of 32 + the rest)
+    # sm90's wide shape (P >= 10 pairs per bin: groups of 32 pairs; also the 700 x 8 case
+    # above): ~20 live pairs per bin at rank 40; with skew ~48 per bin (a group of 32 + the
+    # rest) at rank 64 and 16
     (100, 4, 1000, 1016, 40, 2, 8, False),
     (120, 4, 2688, 2688, 64, 2, 8, True),
+    (160, 4, 520, 1032, 16, 2, 8, True),
 ])
 def test_fused_plan_equals_two_kernels_bitwise(design, dtype, finalize, t, k, h, n, r, num_l,
                                                num_e, skew):
