@@ -174,3 +174,138 @@ def bgmv_torch(x, lora_a, lora_b, topk_ids, topk_w, lora):
     s = torch.einsum("ph,prh->pr", xt, lora_a[lo, e]) * live.to(x.dtype)
     y = torch.einsum("pr,pnr->pn", s, lora_b[lo, e]).float()
     return (y.reshape(-1, k, y.shape[-1]) * topk_w.unsqueeze(-1)).sum(1)
+
+
+# ---------------------------------------------------------------------------------------
+# KDA (Kimi Delta Attention) prefill: ../shared/specs/kda.md. No kernel yet; these are the
+# ground truth and the chunked algorithm the kernels will implement stage by stage.
+
+def kda_gate(g_raw, a_log=None, dt_bias=None, lower_bound=None, acc_dtype=torch.float64):
+    """Per-channel log decay from a raw projection g_raw [..., H, K]: ``-exp(A_log[h]) *
+    softplus(g_raw + dt_bias[h])``, or with a lower bound (the "safe gate", lower_bound in
+    [-5, 0)) ``lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias[h]))``; A_log may be
+    None with a lower bound (then exp(A_log) is 1). dt_bias is [H, K] or flat [H * K]."""
+    x = g_raw.to(acc_dtype)
+    h, dk = x.shape[-2], x.shape[-1]
+    if dt_bias is not None:
+        x = x + dt_bias.to(acc_dtype).reshape(h, dk)
+    a = 1.0 if a_log is None else torch.exp(a_log.to(acc_dtype))[:, None]
+    if lower_bound is None:
+        return -a * torch.nn.functional.softplus(x)
+    return lower_bound * torch.sigmoid(a * x)
+
+
+def _kda_segments(batch, t, cu_seqlens):
+    """(batch row, start, end) per sequence: each batch row, or the varlen segments of row 0."""
+    if cu_seqlens is None:
+        return [(b, 0, t) for b in range(batch)]
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    return [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+
+
+def _kda_prep(q, k, v, g, beta, scale, l2norm, beta_sigmoid, acc):
+    q, k, v, g, beta = (x.to(acc) for x in (q, k, v, g, beta))
+    if l2norm:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if beta_sigmoid:
+        beta = torch.sigmoid(beta)
+    return q, k, v, g, beta
+
+
+def kda_reference(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                  cu_seqlens=None, use_qk_l2norm_in_kernel=False,
+                  use_beta_sigmoid_in_kernel=False,
+                  acc_dtype=torch.float64):
+    """Token-by-token recurrence in exactly the spec's order (the float64 ground truth).
+
+    q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] log decay (<= 0); beta [B, T, H]
+    (post-sigmoid unless ``use_beta_sigmoid_in_kernel``); initial_state [N, H, K, V]; varlen:
+    B == 1 and cu_seqlens [N + 1]; flags and defaults as fla.ops.kda.chunk_kda's. Returns (o [B, T, H, V], final state [N, H, K, V] or None), in
+    ``acc_dtype``."""
+    q, k, v, g, beta = _kda_prep(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel,
+                                 use_beta_sigmoid_in_kernel, acc_dtype)
+    bsz, t, h, dk = k.shape
+    dv = v.shape[-1]
+    o = torch.zeros(bsz, t, h, dv, dtype=acc_dtype, device=q.device)
+    segs = _kda_segments(bsz, t, cu_seqlens)
+    final = torch.zeros(len(segs), h, dk, dv, dtype=acc_dtype, device=q.device)
+    for n, (b, s0, s1) in enumerate(segs):
+        s = (initial_state[n].to(acc_dtype).clone() if initial_state is not None
+             else torch.zeros(h, dk, dv, dtype=acc_dtype, device=q.device))
+        for i in range(s0, s1):
+            s = s * torch.exp(g[b, i])[:, :, None]                       # decay first
+            pred = torch.einsum("hkv,hk->hv", s, k[b, i])                 # S^T k
+            s = s + torch.einsum("hk,hv->hkv", beta[b, i][:, None] * k[b, i], v[b, i] - pred)
+            o[b, i] = torch.einsum("hkv,hk->hv", s, q[b, i])              # read after the update
+        final[n] = s
+    return o, (final if output_final_state else None)
+
+
+def kda_chunk_stages(q, k, g, beta, v, chunk_len):
+    """Steps 1-3 of the chunked algorithm for one chunk of one sequence (all heads), inputs
+    already normalized and scaled, [H, L, *] with L <= chunk size. Returns the intra-chunk
+    tensors the kernels produce: Aqk (lower, diagonal included), A = (I + Akk)^-1, the WY
+    factors w, u, kg, and the cumulative decay G and its last row Gamma."""
+    G = torch.cumsum(g, dim=1)                                   # [H, L, K]
+    gam = G[:, -1]                                               # [H, K]
+    r = torch.arange(chunk_len, device=k.device)
+    # exp(G_r - G_s) only where s <= r (the other exponents are >= 0 and may overflow)
+    diff = G[:, :, None, :] - G[:, None, :, :]                   # [H, L(r), L(s), K]
+    causal = (r[None, :] <= r[:, None])
+    diff = torch.where(causal[None, :, :, None], diff, torch.full_like(diff, -float("inf")))
+    dec = torch.exp(diff)
+    akk = beta[:, :, None] * torch.einsum("hrk,hsk,hrsk->hrs", k, k, dec)
+    akk = akk * (r[None, :] < r[:, None])                         # strictly lower
+    aqk = torch.einsum("hrk,hsk,hrsk->hrs", q, k, dec)            # lower incl. diagonal
+    eye = torch.eye(chunk_len, dtype=k.dtype, device=k.device).expand(k.shape[0], -1, -1)
+    a = torch.linalg.solve_triangular(eye + akk, eye, upper=False, unitriangular=True)
+    w = a @ (beta[:, :, None] * k * torch.exp(G))
+    u = a @ (beta[:, :, None] * v)
+    kg = k * torch.exp(gam[:, None, :] - G)
+    return aqk, a, w, u, kg, G, gam
+
+
+def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                cu_seqlens=None, use_qk_l2norm_in_kernel=False,
+                use_beta_sigmoid_in_kernel=False, chunk_size=64,
+                acc_dtype=torch.float32, return_chunk_states=False):
+    """The chunked algorithm (spec steps 1-5) in ``acc_dtype``: intra-chunk stages, then the
+    sequential chain ``h[c] = S; v_new = u - w S; S = Diag(exp Gamma) S + kg^T v_new`` and
+    ``o = (q * exp(G)) h[c] + Aqk v_new``. Chunks never cross a sequence boundary (a
+    sequence's last chunk may be short). Same arguments and returns as ``kda_reference``;
+    with ``return_chunk_states`` also the list of per-chunk input states h[c] (in chunk
+    order over the sequences), which a split of the chain must reproduce."""
+    q, k, v, g, beta = _kda_prep(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel,
+                                 use_beta_sigmoid_in_kernel, acc_dtype)
+    bsz, t, h, dk = k.shape
+    dv = v.shape[-1]
+    o = torch.zeros(bsz, t, h, dv, dtype=acc_dtype, device=q.device)
+    segs = _kda_segments(bsz, t, cu_seqlens)
+    final = torch.zeros(len(segs), h, dk, dv, dtype=acc_dtype, device=q.device)
+    hs = []
+    for n, (b, s0, s1) in enumerate(segs):
+        s = (initial_state[n].to(acc_dtype).clone() if initial_state is not None
+             else torch.zeros(h, dk, dv, dtype=acc_dtype, device=q.device))
+        for c0 in range(s0, s1, chunk_size):
+            c1 = min(c0 + chunk_size, s1)
+            sl = lambda x: x[b, c0:c1].transpose(0, 1)            # [H, L, *]
+            qc, kc, vc, gc, bc = sl(q), sl(k), sl(v), sl(g), beta[b, c0:c1].transpose(0, 1)
+            aqk, _, w, u, kg, G, gam = kda_chunk_stages(qc, kc, gc, bc, vc, c1 - c0)
+            hs.append(s)
+            v_new = u - w @ s
+            o[b, c0:c1] = ((qc * torch.exp(G)) @ s + aqk @ v_new).transpose(0, 1)
+            s = torch.exp(gam)[:, :, None] * s + kg.transpose(1, 2) @ v_new
+        final[n] = s
+    out = (o, final if output_final_state else None)
+    return out + (hs,) if return_chunk_states else out
+
+
+def kda_chunk_affine(q, k, g, beta, v, chunk_len):
+    """The chain step of one chunk as an affine map S -> M S + B (M = Diag(exp Gamma) - kg^T w,
+    B = kg^T u): what a scan over pieces of a long sequence composes. Inputs as for
+    ``kda_chunk_stages``; returns (M [H, K, K], B [H, K, V])."""
+    _, _, w, u, kg, _, gam = kda_chunk_stages(q, k, g, beta, v, chunk_len)
+    m = torch.diag_embed(torch.exp(gam)) - kg.transpose(1, 2) @ w
+    return m, kg.transpose(1, 2) @ u

@@ -1,0 +1,153 @@
+"""KDA prefill on one GPU: the peer (fla.ops.kda.chunk_kda, the Triton library the spec
+names) at the spec's shape set, timed on this GPU, and checked against our float64
+reference (cutekern.reference.kda_reference) so that the reference, the contract and the
+peer agree before any kernel of ours exists. No cutekern KDA kernel yet: the results file
+records the same-run baseline the kernels will be measured against.
+
+Inputs as the spec draws them: q, k randn then L2-normalized (bf16), raw gate randn with
+the safe gate in the kernel (A_log = rand(H), dt_bias = rand(H, K), lower_bound = -5),
+beta logits (sigmoid in the kernel), D = K = V = 128, final state returned. Useful FLOPs
+~1.64e5 per token per head (spec). The peer is imported from $CUTEKERN_PEER_PATH (a folder
+holding the unpacked fla-core wheel; the GPU box has no network)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import time_ms, write_results  # noqa: E402
+
+from cutekern.reference import kda_gate, kda_reference  # noqa: E402
+
+D = 128
+FLOP_PER_TOKEN_HEAD = 1.64e5
+LOWER_BOUND = -5.0
+VARLEN_B = [1300, 547, 2048, 963, 271, 3063]
+VARLEN_C = [1024] * 8
+
+
+def load_peer():
+    path = os.environ.get("CUTEKERN_PEER_PATH")
+    if path:
+        sys.path.insert(0, path)
+    try:
+        from fla.ops.kda import chunk_kda
+        import fla
+        return chunk_kda, getattr(fla, "__version__", "?")
+    except Exception as e:  # noqa: BLE001 - report why, run nothing of the peer
+        print(f"peer unavailable: {type(e).__name__}: {e}")
+        return None, None
+
+
+def problem(lens, h, seed, batch=None):
+    """Spec inputs for sequences `lens` (varlen, B = 1) or `batch` rows of lens[0] tokens."""
+    g0 = torch.Generator(device="cuda").manual_seed(seed)
+    b, t = (batch, lens[0]) if batch else (1, sum(lens))
+    rn = lambda *s: torch.randn(*s, device="cuda", generator=g0)  # noqa: E731
+    l2 = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
+    q, k = l2(rn(b, t, h, D)).bfloat16(), l2(rn(b, t, h, D)).bfloat16()
+    v = rn(b, t, h, D).bfloat16()
+    g_raw, beta = rn(b, t, h, D).bfloat16(), rn(b, t, h).bfloat16()
+    a_log = torch.rand(h, device="cuda", generator=g0)
+    dt_bias = torch.rand(h, D, device="cuda", generator=g0)
+    cu = None
+    if not batch:
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64, device="cuda")
+    return dict(q=q, k=k, v=v, g_raw=g_raw, beta=beta, a_log=a_log, dt_bias=dt_bias, cu=cu)
+
+
+def run_peer(chunk_kda, p, initial_state=None):
+    return chunk_kda(p["q"], p["k"], p["v"], p["g_raw"], p["beta"], initial_state=initial_state,
+                     output_final_state=True, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=True,
+                     use_beta_sigmoid_in_kernel=True, A_log=p["a_log"], dt_bias=p["dt_bias"].flatten(),
+                     safe_gate=True, lower_bound=LOWER_BOUND, cu_seqlens=p["cu"])
+
+
+def run_reference(p, initial_state=None):
+    g = kda_gate(p["g_raw"], p["a_log"], p["dt_bias"], lower_bound=LOWER_BOUND)
+    return kda_reference(p["q"], p["k"], p["v"], g, p["beta"], initial_state=initial_state,
+                         output_final_state=True, cu_seqlens=p["cu"], use_beta_sigmoid_in_kernel=True)
+
+
+def rel_err(x, ref):
+    x = x.double()
+    return {"rel_l2": ((x - ref).norm() / ref.norm()).item(), "max_abs": (x - ref).abs().max().item(),
+            "ref_max_abs": ref.abs().max().item(), "finite": bool(torch.isfinite(x).all())}
+
+
+def check_peer(chunk_kda):
+    """The peer against the float64 reference: varlen with a 1-token sequence and an initial
+    state, and the spec's 1 x 8192 at H = 64 (outputs and final state, every element)."""
+    rows = []
+    for name, lens, h, with_state in (("varlen [100,1,300,64] H=4 with h0", [100, 1, 300, 64], 4, True),
+                                      ("1x8192 H=64", [8192], 64, False)):
+        p = problem(lens, h, seed=1)
+        h0 = (torch.randn(len(lens), h, D, D, device="cuda") * 0.1) if with_state else None
+        o, ht = run_peer(chunk_kda, p, h0)
+        o_ref, ht_ref = run_reference(p, h0)
+        row = {"case": name, "o": rel_err(o, o_ref), "final_state": rel_err(ht, ht_ref)}
+        print(row)
+        rows.append(row)
+    return rows
+
+
+def cases():
+    out = []
+    for h in (64, 96):
+        out += [(f"1x8192 H={h}", [8192], h, None), (f"2x8192 H={h}", [8192], h, 2),
+                (f"1x16384 H={h}", [16384], h, None), (f"1x512 H={h}", [512], h, None),
+                (f"varlen {VARLEN_B} H={h}", VARLEN_B, h, None), (f"varlen [1024]*8 H={h}", VARLEN_C, h, None)]
+    out += [("1x8192 H=32", [8192], 32, None), (f"varlen {VARLEN_B} H=32", VARLEN_B, 32, None),
+            ("1x65536 H=8", [65536], 8, None), ("1x65536 H=4", [65536], 4, None)]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="perf/results")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--only", default="", help="run the cases whose name contains this")
+    ap.add_argument("--no-check", action="store_true", help="skip the fp64 comparison")
+    ap.add_argument("--quick", action="store_true", help="5 reps, the 1x8192 H=64 case only")
+    args = ap.parse_args()
+    if args.quick:
+        args.reps, args.only = 5, args.only or "1x8192 H=64"
+    chunk_kda, version = load_peer()
+    if chunk_kda is None:  # nothing to time yet without the peer: keep the committed results
+        print("bench_kda: no peer to time (install fla-core or set CUTEKERN_PEER_PATH); skipped")
+        return
+    rows, checks = [], []
+
+    def save():  # after every case: a run cut short by a time limit keeps what it measured
+        return write_results("kda", rows, args.out, {
+            "peer": f"flash-linear-attention (fla-core) {version}",
+            "cutekern": "no KDA kernel yet: these are the peer's same-box numbers",
+            "timing": "eager calls (the peer's host time included), cold L2 (256 MB flush), "
+                      "median of reps",
+            "inputs": "q, k L2-normalized bf16; raw gate with the safe gate in kernel "
+                      "(lower_bound -5); beta logits; D = 128; output_final_state",
+            "peer_vs_fp64_reference": checks})
+
+    if not args.no_check:
+        checks = check_peer(chunk_kda)
+    for name, lens, h, batch in cases():
+        if args.only not in name:
+            continue
+        p = problem(lens, h, seed=0, batch=batch)
+        t = time_ms(lambda: run_peer(chunk_kda, p), reps=args.reps)
+        tokens = (batch or 1) * sum(lens)
+        row = {"case": name, "heads": h, "tokens": tokens, "fla_ms": t,
+               "fla_tflops": FLOP_PER_TOKEN_HEAD * tokens * h / t / 1e9}
+        print(row, flush=True)
+        rows.append(row)
+        save()
+    print("wrote", save())
+
+
+if __name__ == "__main__":
+    main()

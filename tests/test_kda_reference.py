@@ -1,0 +1,236 @@
+"""KDA prefill: the chunked algorithm against the token recurrence, the chain's split and
+affine forms (what a split of the recurrent chain across CTAs relies on), the argument
+contract and the chunk work list. No kernel yet: these fix the ground truth first."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from cutekern.kda import check_kda_args, chunk_work_list, seq_bounds
+from cutekern.reference import (kda_chunk_affine, kda_chunk_stages, kda_chunked, kda_gate,
+                                kda_reference)
+
+
+def _inputs(bsz, t, h, dk, dv, seed, gate="safe", n_state=None, dtype=torch.float32):
+    g0 = torch.Generator().manual_seed(seed)
+    rn = lambda *s: torch.randn(*s, generator=g0)
+    q, k, v = rn(bsz, t, h, dk), rn(bsz, t, h, dk), rn(bsz, t, h, dv)
+    a_log, dt_bias = torch.rand(h, generator=g0), torch.rand(h, dk, generator=g0)
+    if gate == "safe":
+        g = kda_gate(rn(bsz, t, h, dk), a_log, dt_bias, lower_bound=-5.0)
+    elif gate == "softplus":
+        g = kda_gate(rn(bsz, t, h, dk), a_log, dt_bias)
+    else:                                                   # a direct log decay, mild
+        g = -0.1 * torch.rand(bsz, t, h, dk, generator=g0)
+    beta = rn(bsz, t, h)                                    # logits
+    s0 = None if n_state is None else rn(n_state, h, dk, dv)
+    return [x.to(dtype) for x in (q, k, v)] + [g.float(), beta], s0
+
+
+@settings(max_examples=20, deadline=None)
+@given(lens=st.lists(st.integers(0, 150), min_size=1, max_size=4).filter(lambda l: sum(l) > 0),
+       h=st.integers(1, 3), dk=st.sampled_from([8, 16, 32]), dv=st.sampled_from([8, 16]),
+       chunk=st.sampled_from([16, 64]), gate=st.sampled_from(["safe", "softplus", "direct"]),
+       norm=st.booleans(), with_state=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_chunked_matches_token_recurrence_varlen(lens, h, dk, dv, chunk, gate, norm, with_state, seed):
+    t = sum(lens)
+    (q, k, v, g, beta), s0 = _inputs(1, t, h, dk, dv, seed, gate, len(lens) if with_state else None)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64)
+    kw = dict(initial_state=s0, output_final_state=True, cu_seqlens=cu,
+              use_qk_l2norm_in_kernel=norm, use_beta_sigmoid_in_kernel=True)
+    o_ref, f_ref = kda_reference(q, k, v, g, beta, **kw)
+    assert torch.isfinite(o_ref).all() and torch.isfinite(f_ref).all()
+    o64, f64 = kda_chunked(q, k, v, g, beta, chunk_size=chunk, acc_dtype=torch.float64, **kw)
+    torch.testing.assert_close(o64, o_ref, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(f64, f_ref, rtol=1e-9, atol=1e-9)
+    # the same algorithm in fp32 (what the kernels accumulate in), bounded by the output scale
+    o32, f32 = kda_chunked(q, k, v, g, beta, chunk_size=chunk, **kw)
+    tol = 2e-4 * (1 + o_ref.abs().max().item())
+    assert (o32.double() - o_ref).abs().max().item() <= tol
+    assert (f32.double() - f_ref).abs().max().item() <= 2e-4 * (1 + f_ref.abs().max().item())
+    # a 0-length sequence hands its initial state through unchanged
+    for n, ln in enumerate(lens):
+        if ln == 0:
+            want = s0[n].double() if s0 is not None else torch.zeros_like(f_ref[n])
+            torch.testing.assert_close(f_ref[n], want)
+
+
+def test_batched_equals_varlen_and_defaults():
+    (q, k, v, g, beta), s0 = _inputs(3, 70, 2, 16, 8, 7, "safe", n_state=3)
+    o_b, f_b = kda_reference(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                             use_beta_sigmoid_in_kernel=True)
+    flat = lambda x: x.reshape(1, -1, *x.shape[2:])
+    cu = torch.tensor([0, 70, 140, 210], dtype=torch.int64)
+    o_v, f_v = kda_reference(flat(q), flat(k), flat(v), flat(g), flat(beta), initial_state=s0,
+                             output_final_state=True, cu_seqlens=cu, use_beta_sigmoid_in_kernel=True)
+    torch.testing.assert_close(flat(o_b), o_v, rtol=0, atol=0)
+    torch.testing.assert_close(f_b, f_v, rtol=0, atol=0)
+    # scale defaults to K ** -0.5 after the norm; beta post-sigmoid when not logits
+    o1, _ = kda_reference(q, k, v, g, torch.sigmoid(beta.double()))
+    o2, _ = kda_reference(q, k, v, g, beta, use_beta_sigmoid_in_kernel=True, scale=16 ** -0.5)
+    torch.testing.assert_close(o1, o2, rtol=1e-12, atol=1e-12)
+    o3, _ = kda_reference(q, k, v, g, beta, use_beta_sigmoid_in_kernel=True, scale=0.5)
+    assert not torch.allclose(o2, o3)
+
+
+def test_token_recurrence_first_steps_by_hand():
+    """Two tokens, one head, against the closed form of the spec's update."""
+    (q, k, v, g, beta), _ = _inputs(1, 2, 1, 4, 3, 3, "softplus")
+    b = torch.sigmoid(beta.double())
+    o, f = kda_reference(q, k, v, g, beta, use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=False, scale=1.0,
+                         output_final_state=True)
+    qd, kd, vd, gd = (x.double()[0, :, 0] for x in (q, k, v, g))
+    s = torch.zeros(4, 3, dtype=torch.float64)
+    for i in range(2):
+        s = torch.diag(torch.exp(gd[i])) @ s
+        s = s - b[0, i, 0] * torch.outer(kd[i], kd[i]) @ s + b[0, i, 0] * torch.outer(kd[i], vd[i])
+        torch.testing.assert_close(o[0, i, 0], s.T @ qd[i], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(f[0, 0], s, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cut", [1, 64, 100, 192])
+def test_chain_split_hands_state_over(cut):
+    """A sequence cut in two pieces, the second started from the first's final state, gives
+    the whole sequence's outputs and state (the piece hand-over of a split chain)."""
+    (q, k, v, g, beta), s0 = _inputs(1, 256, 2, 16, 8, 11, "safe", n_state=1)
+    kw = dict(output_final_state=True, use_beta_sigmoid_in_kernel=True, acc_dtype=torch.float64)
+    o, f = kda_chunked(q, k, v, g, beta, initial_state=s0, **kw)
+    p = lambda x, a, b: x[:, a:b]
+    o1, f1 = kda_chunked(*(p(x, 0, cut) for x in (q, k, v, g, beta)), initial_state=s0, **kw)
+    o2, f2 = kda_chunked(*(p(x, cut, 256) for x in (q, k, v, g, beta)), initial_state=f1, **kw)
+    torch.testing.assert_close(torch.cat([o1, o2], 1), o, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(f2, f, rtol=1e-10, atol=1e-10)
+
+
+def test_chain_is_affine_per_chunk():
+    """S_{c+1} = M_c S_c + B_c: composing the chunks' maps over pieces reproduces every chunk
+    state the sequential chain sees (the scan-and-merge form of a long sequence)."""
+    (q, k, v, g, beta), s0 = _inputs(1, 64 * 5 + 9, 2, 16, 8, 5, "softplus", n_state=1)
+    kw = dict(use_beta_sigmoid_in_kernel=True, acc_dtype=torch.float64)
+    _, f, hs = kda_chunked(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                           return_chunk_states=True, **kw)
+    from cutekern.reference import _kda_prep
+    qn, kn, vn, gn, bn = _kda_prep(q, k, v, g, beta, None, False, True, torch.float64)
+    maps = []
+    for c0 in range(0, q.shape[1], 64):
+        c1 = min(c0 + 64, q.shape[1])
+        sl = lambda x: x[0, c0:c1].transpose(0, 1)
+        maps.append(kda_chunk_affine(sl(qn), sl(kn), sl(gn), bn[0, c0:c1].T, sl(vn), c1 - c0))
+    # pieces of two chunks merged first, then applied: (M2, B2) o (M1, B1) = (M2 M1, M2 B1 + B2)
+    s = s0[0].double()
+    for i in range(0, len(maps), 2):
+        torch.testing.assert_close(s, hs[i], rtol=1e-10, atol=1e-10)
+        m, b = maps[i]
+        if i + 1 < len(maps):
+            m2, b2 = maps[i + 1]
+            m, b = m2 @ m, m2 @ b + b2
+        s = m @ s + b
+    torch.testing.assert_close(s, f[0], rtol=1e-10, atol=1e-10)
+
+
+def test_chunk_stages_inverse_and_bounds():
+    (q, k, v, g, beta), _ = _inputs(1, 64, 2, 16, 8, 2, "safe")
+    sl = lambda x: x[0].transpose(0, 1).double()
+    aqk, a, w, u, kg, G, gam = kda_chunk_stages(sl(q), sl(k), sl(g), torch.sigmoid(beta[0].T.double()),
+                                                sl(v), 64)
+    assert torch.equal(torch.triu(aqk, 1), torch.zeros_like(aqk))
+    assert torch.equal(torch.triu(a, 1), torch.zeros_like(a))
+    torch.testing.assert_close(torch.diagonal(a, dim1=1, dim2=2), torch.ones(2, 64, dtype=torch.float64))
+    # the decays the kernels will tile are all <= 1 (no overflow in bf16/fp16 tiles)
+    assert (G <= 0).all() and (gam[:, None] <= G + 1e-12).all() and (kg.abs() <= k[0].transpose(0, 1).abs() + 1e-12).all()
+
+
+# ---- the argument contract -------------------------------------------------------------
+
+def _args(bsz=1, t=96, h=2, dk=64, dv=64, dtype=torch.bfloat16):
+    r = lambda *s: torch.randn(*s).to(dtype)
+    return r(bsz, t, h, dk), r(bsz, t, h, dk), r(bsz, t, h, dv), -torch.rand(bsz, t, h, dk), torch.rand(bsz, t, h)
+
+
+def test_check_accepts_valid_and_describes():
+    q, k, v, g, beta = _args(bsz=3, dv=128)
+    p = check_kda_args(q, k, v, g, beta, initial_state=torch.zeros(3, 2, 64, 128))
+    assert (p.batch, p.seqlen, p.heads, p.head_k, p.head_v, p.num_seqs, p.varlen) == (3, 96, 2, 64, 128, 3, False)
+    q, k, v, g, beta = _args()
+    cu = torch.tensor([0, 0, 30, 96], dtype=torch.int64)
+    p = check_kda_args(q, k, v, g, beta, cu_seqlens=cu, use_gate_in_kernel=True, A_log=torch.rand(2),
+                       dt_bias=torch.rand(2, 64), safe_gate=True, lower_bound=-5.0)
+    assert p.num_seqs == 3 and p.varlen and p.gate_in_kernel
+    assert seq_bounds(p, cu) == [(0, 0, 0), (0, 0, 30), (0, 30, 96)]
+    # the peer's other accepted forms: flat dt_bias, no A_log with a lower bound, a host copy
+    p = check_kda_args(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), use_gate_in_kernel=True,
+                       dt_bias=torch.rand(128), lower_bound=-1.0)
+    assert p.num_seqs == 3
+
+
+@pytest.mark.parametrize("mutate, name", [
+    (lambda a: a.update(q=a["q"].float()), "q"),
+    (lambda a: a.update(k=a["k"].half()), "k"),
+    (lambda a: a.update(v=a["v"][..., :32]), "v"),
+    (lambda a: a.update(q=torch.randn(1, 96, 2, 48).bfloat16(), k=torch.randn(1, 96, 2, 48).bfloat16(),
+                        g=-torch.rand(1, 96, 2, 48)), "q"),
+    (lambda a: a.update(k=a["k"][:, :95]), "k"),
+    (lambda a: a.update(g=a["g"].double()), "g"),
+    (lambda a: a.update(g=a["g"][..., :32]), "g"),
+    (lambda a: a.update(beta=a["beta"][..., None]), "beta"),
+    (lambda a: a.update(beta=a["beta"][:, :, :1]), "beta"),
+    (lambda a: a.update(v=a["v"].transpose(2, 3).contiguous().transpose(2, 3)), "v"),
+    (lambda a: a.update(scale=-1.0), "scale"),
+    (lambda a: a.update(cu_seqlens=torch.tensor([0, 50, 96], dtype=torch.int32)), "cu_seqlens"),
+    (lambda a: a.update(cu_seqlens=torch.tensor([0, 60, 50, 96])), "cu_seqlens"),
+    (lambda a: a.update(cu_seqlens=torch.tensor([0, 95])), "cu_seqlens"),
+    (lambda a: a.update(cu_seqlens=torch.tensor([1, 96])), "cu_seqlens"),
+    (lambda a: a.update(cu_seqlens=torch.tensor([96])), "cu_seqlens"),
+    (lambda a: a.update(initial_state=torch.zeros(2, 2, 64, 64)), "initial_state"),
+    (lambda a: a.update(initial_state=torch.zeros(1, 2, 64, 64).bfloat16()), "initial_state"),
+    (lambda a: a.update(dt_bias=torch.zeros(2, 64)), "dt_bias"),
+    (lambda a: a.update(lower_bound=-1.0), "lower_bound"),
+    (lambda a: a.update(A_log=torch.zeros(2)), "A_log"),
+    (lambda a: a.update(v=torch.randn(1, 96, 4, 64).bfloat16()), "v"),
+    (lambda a: a.update(use_gate_in_kernel=True), "A_log"),
+    (lambda a: a.update(use_gate_in_kernel=True, A_log=torch.zeros(3)), "A_log"),
+    (lambda a: a.update(use_gate_in_kernel=True, A_log=torch.zeros(2, dtype=torch.float64)), "A_log"),
+    (lambda a: a.update(use_gate_in_kernel=True, A_log=torch.zeros(2), dt_bias=torch.zeros(2, 32)), "dt_bias"),
+    (lambda a: a.update(use_gate_in_kernel=True, A_log=torch.zeros(2), dt_bias=torch.zeros(64)), "dt_bias"),
+    (lambda a: a.update(use_gate_in_kernel=True, A_log=torch.zeros(2), safe_gate=True), "lower_bound"),
+    (lambda a: a.update(use_gate_in_kernel=True, A_log=torch.zeros(2), lower_bound=-6.0), "lower_bound"),
+    (lambda a: a.update(use_gate_in_kernel=True, A_log=torch.zeros(2), lower_bound=0.0), "lower_bound"),
+    (lambda a: a.update(cu_seqlens_cpu=torch.tensor([0, 96])), "cu_seqlens_cpu"),
+    (lambda a: a.update(cu_seqlens=torch.tensor([0, 96]), cu_seqlens_cpu=torch.tensor([0, 40, 96])), "cu_seqlens_cpu"),
+])
+def test_check_names_the_argument(mutate, name):
+    q, k, v, g, beta = _args()
+    a = dict(q=q, k=k, v=v, g=g, beta=beta)
+    mutate(a)
+    with pytest.raises((ValueError, TypeError), match=f"'{name}'"):
+        check_kda_args(**a)
+
+
+def test_varlen_needs_batch_one():
+    q, k, v, g, beta = _args(bsz=2)
+    with pytest.raises(ValueError, match="'cu_seqlens'"):
+        check_kda_args(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 96]))
+
+
+def test_chunk_work_list_covers_every_token_once():
+    bounds = [(0, 0, 0), (0, 0, 1), (0, 1, 130), (0, 130, 194), (0, 194, 195)]
+    work, offs = chunk_work_list(bounds, 64)
+    assert work.dtype == torch.int32 and offs.tolist() == [0, 0, 1, 4, 5, 6]
+    seen = torch.zeros(195, dtype=torch.int32)
+    for n, b, s, ln in work.tolist():
+        assert 1 <= ln <= 64 and bounds[n][1] <= s and s + ln <= bounds[n][2] and b == 0
+        seen[s:s + ln] += 1
+    assert torch.equal(seen, torch.ones(195, dtype=torch.int32))
+    work, offs = chunk_work_list([(0, 0, 100), (1, 0, 100)], 64)
+    assert work.tolist() == [[0, 0, 0, 64], [0, 0, 64, 36], [1, 1, 0, 64], [1, 1, 64, 36]]
+
+
+def test_gate_forms():
+    g0 = torch.Generator().manual_seed(4)
+    raw, a_log, dtb = torch.randn(2, 5, 3, 8, generator=g0), torch.rand(3, generator=g0), torch.rand(3, 8, generator=g0)
+    x = raw.double() + dtb.double()
+    a = torch.exp(a_log.double())[:, None]
+    torch.testing.assert_close(kda_gate(raw, a_log, dtb), -a * torch.log1p(torch.exp(x)))
+    torch.testing.assert_close(kda_gate(raw, a_log, dtb.flatten(), lower_bound=-5.0), -5.0 / (1 + torch.exp(-a * x)))
+    torch.testing.assert_close(kda_gate(raw, None, dtb, lower_bound=-2.0), -2.0 / (1 + torch.exp(-x)))
+    safe = kda_gate(100 * raw, a_log, dtb, lower_bound=-5.0)
+    assert (safe >= -5.0).all() and (safe <= 0).all()
