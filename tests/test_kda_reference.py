@@ -27,13 +27,15 @@ def _inputs(bsz, t, h, dk, dv, seed, gate="safe", n_state=None, dtype=torch.floa
 
 
 @settings(max_examples=20, deadline=None)
-@given(lens=st.lists(st.integers(0, 150), min_size=1, max_size=4).filter(lambda l: sum(l) > 0),
+@given(lens=st.lists(st.integers(0, 130), min_size=1, max_size=4).filter(lambda l: sum(l) > 0),
        h=st.integers(1, 3), dk=st.sampled_from([8, 16, 32]), dv=st.sampled_from([8, 16]),
        chunk=st.sampled_from([16, 64]), gate=st.sampled_from(["safe", "softplus", "direct"]),
        norm=st.booleans(), with_state=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_chunked_matches_token_recurrence_varlen(lens, h, dk, dv, chunk, gate, norm, with_state, seed):
     t = sum(lens)
     (q, k, v, g, beta), s0 = _inputs(1, t, h, dk, dv, seed, gate, len(lens) if with_state else None)
+    if not norm:  # keys normalized upstream, as models do: raw keys make I - beta k k^T expand
+        q, k = (x / x.norm(dim=-1, keepdim=True) for x in (q, k))
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64)
     kw = dict(initial_state=s0, output_final_state=True, cu_seqlens=cu,
               use_qk_l2norm_in_kernel=norm, use_beta_sigmoid_in_kernel=True)
