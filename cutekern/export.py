@@ -19,8 +19,55 @@ class ExportError(RuntimeError):
     pass
 
 
+def _build_many(keys):
+    """Worker process: compile variants into the shared disk cache (each entry is published
+    under a per-key lock by an atomic rename, so workers and the parent never collide).
+    A failure is left for the serial pass of ``export``, which rebuilds and reports it."""
+    from . import compile as ck
+    for key in keys:
+        try:
+            ck.build(key, need_sass=True)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def export_jobs() -> int:
+    """Compile processes for an export: $CUTEKERN_EXPORT_JOBS, else one per core (max 8)."""
+    env = os.environ.get("CUTEKERN_EXPORT_JOBS")
+    if env:
+        return max(1, int(env))
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else (os.cpu_count() or 1)))
+
+
+def _prebuild(keys, jobs, log):
+    """Compile the variants in ``jobs`` fresh interpreters first (one compile is one core's
+    work for seconds to a minute); the serial pass of ``export`` then reads each from the
+    cache. Subprocesses rather than multiprocessing: nothing depends on the caller's
+    ``__main__`` being import-safe."""
+    import pickle
+    import subprocess
+    import sys
+    t0 = time.time()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
+                                                      env.get("PYTHONPATH")]))
+    procs = []
+    for w in range(jobs):  # round robin: neighbouring keys (same op) cost about the same
+        p = subprocess.Popen([sys.executable, "-c", "import pickle, sys; from cutekern.export "
+                              "import _build_many; _build_many(pickle.load(sys.stdin.buffer))"],
+                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env=env)
+        p.stdin.write(pickle.dumps(keys[w::jobs]))
+        p.stdin.close()
+        procs.append(p)
+    rcs = [p.wait() for p in procs]
+    log(f"compiled {len(keys)} variants in {jobs} processes in {time.time() - t0:.0f}s"
+        + (f" (worker exit codes {rcs})" if any(rcs) else ""))
+
+
 def export(arches, out_dir, *, ops=None, designs=None, overrides=None, flags=None,
-           log=print) -> dict:
+           log=print, jobs=None) -> dict:
     from . import compile as ck
     from .registry import all_keys
 
@@ -34,6 +81,9 @@ def export(arches, out_dir, *, ops=None, designs=None, overrides=None, flags=Non
         raise ExportError(f"no variants registered for arches={arches} ops={ops} designs={designs}")
     entries, failures = [], []
     t_all = time.time()
+    jobs = export_jobs() if jobs is None else jobs
+    if jobs > 1 and len(keys) > 1:
+        _prebuild(keys, min(jobs, len(keys)), log)
     for i, key in enumerate(keys, 1):
         tag = f"[{i}/{len(keys)}] {key.arch:8s} {key.op} {key.design:5s} " \
               f"{'/'.join(v for _, v in key.dtypes)} {dict(key.flags)}"

@@ -160,3 +160,21 @@ def test_disk_cache_is_atomic_across_processes(tmp_path):
     p = ctx.Process(target=_build_in_child, args=(str(tmp_path), blob, q))
     p.start(); q.get(timeout=600); p.join()
     assert os.path.getmtime(os.path.join(entry, "kernel.o")) == mtime
+
+
+@needs_dsl
+def test_export_prebuild_compiles_in_worker_processes(tmp_path, monkeypatch):
+    """export's parallel pass: worker interpreters fill the shared cache, so the serial pass
+    finds every entry built (it would otherwise compile them itself)."""
+    from cutekern import compile as ck
+    from cutekern.export import _prebuild, export_jobs
+    monkeypatch.setenv("CUTEKERN_CACHE_DIR", str(tmp_path))
+    keys = [k for k in all_keys(("sm_80",)) if k.op == "ikbo_attn"][:2]
+    assert len(keys) == 2 and not any(ck.entry_dir(k).exists() for k in keys)
+    lines = []
+    _prebuild(keys, 2, lines.append)
+    assert "in 2 processes" in lines[0] and "exit codes" not in lines[0]
+    for k in keys:
+        assert sorted(os.listdir(ck.entry_dir(k))) == ["kernel.h", "kernel.o", "kernel.sass", "meta.json"]
+    monkeypatch.setenv("CUTEKERN_EXPORT_JOBS", "3")
+    assert export_jobs() == 3
