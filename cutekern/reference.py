@@ -267,16 +267,56 @@ def kda_chunk_stages(q, k, g, beta, v, chunk_len):
     return aqk, a, w, u, kg, G, gam
 
 
+def kda_chunk_stages_tiled(q, k, g, beta, v, chunk_len, sub=16, op_dtype=torch.bfloat16):
+    """``kda_chunk_stages`` the way the tensor-core kernels will compute it (kernels/
+    CONTRACT_KDA.md): Aqk / Akk in ``sub``-token sub-chunks, an off-diagonal block as one
+    product of ``op_dtype`` operands whose decays are both <= 1 (reference point: the last
+    token before the row sub-chunk), a diagonal block in fp32 with the exact exponent; the
+    WY products with ``op_dtype`` operands and fp32 accumulation; w, u, kg, qg rounded to
+    ``op_dtype`` as they would be stored. Inputs fp32 [H, L, *]; returns (aqk, w, u, kg, qg,
+    gam) in fp32 holding ``op_dtype`` values where the kernel would store them."""
+    rnd = lambda x: x.to(op_dtype).to(torch.float32)             # noqa: E731
+    G = torch.cumsum(g, dim=1)
+    gam = G[:, -1]
+    h, L, _ = k.shape
+    akk = torch.zeros(h, L, L, dtype=torch.float32, device=k.device)
+    aqk = torch.zeros_like(akk)
+    for i0 in range(0, L, sub):
+        i1 = min(i0 + sub, L)
+        r = torch.arange(i0, i1, device=k.device)
+        # diagonal block: exact exponents (s <= r only: the others may overflow)
+        diff = G[:, i0:i1, None, :] - G[:, None, i0:i1, :]
+        causal = (r[None, :] <= r[:, None])[None, :, :, None]
+        dec = torch.exp(torch.where(causal, diff, torch.full_like(diff, -float("inf"))))
+        akk[:, i0:i1, i0:i1] = torch.einsum("hrk,hsk,hrsk->hrs", k[:, i0:i1], k[:, i0:i1], dec)
+        aqk[:, i0:i1, i0:i1] = torch.einsum("hrk,hsk,hrsk->hrs", q[:, i0:i1], k[:, i0:i1], dec)
+        if i0:  # every earlier column in one product, decays split at token i0 - 1
+            gb = G[:, i0 - 1:i0]
+            kl, ql = rnd(k[:, i0:i1] * torch.exp(G[:, i0:i1] - gb)), rnd(q[:, i0:i1] * torch.exp(G[:, i0:i1] - gb))
+            kr = rnd(k[:, :i0] * torch.exp(gb - G[:, :i0]))
+            akk[:, i0:i1, :i0] = kl @ kr.transpose(1, 2)
+            aqk[:, i0:i1, :i0] = ql @ kr.transpose(1, 2)
+    idx = torch.arange(L, device=k.device)
+    akk = beta[:, :, None] * akk * (idx[None, :] < idx[:, None])
+    eye = torch.eye(L, dtype=torch.float32, device=k.device).expand(h, -1, -1)
+    a = torch.linalg.solve_triangular(eye + akk, eye, upper=False, unitriangular=True)
+    w = rnd(rnd(a) @ rnd(beta[:, :, None] * k * torch.exp(G)))
+    u = rnd(rnd(a) @ rnd(beta[:, :, None] * v))
+    return rnd(aqk), w, u, rnd(k * torch.exp(gam[:, None, :] - G)), rnd(q * torch.exp(G)), gam
+
+
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                 cu_seqlens=None, use_qk_l2norm_in_kernel=False,
                 use_beta_sigmoid_in_kernel=False, chunk_size=64,
-                acc_dtype=torch.float32, return_chunk_states=False):
+                acc_dtype=torch.float32, return_chunk_states=False, tiled_dtype=None):
     """The chunked algorithm (spec steps 1-5) in ``acc_dtype``: intra-chunk stages, then the
     sequential chain ``h[c] = S; v_new = u - w S; S = Diag(exp Gamma) S + kg^T v_new`` and
     ``o = (q * exp(G)) h[c] + Aqk v_new``. Chunks never cross a sequence boundary (a
     sequence's last chunk may be short). Same arguments and returns as ``kda_reference``;
     with ``return_chunk_states`` also the list of per-chunk input states h[c] (in chunk
-    order over the sequences), which a split of the chain must reproduce."""
+    order over the sequences), which a split of the chain must reproduce. ``tiled_dtype``
+    (fp32 accumulation only): emulate the kernels' rounding, ``kda_chunk_stages_tiled`` for
+    the stages and the state / v_new rounded to that dtype as product operands."""
     q, k, v, g, beta = _kda_prep(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel,
                                  use_beta_sigmoid_in_kernel, acc_dtype)
     bsz, t, h, dk = k.shape
@@ -292,11 +332,21 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
             c1 = min(c0 + chunk_size, s1)
             sl = lambda x: x[b, c0:c1].transpose(0, 1)            # [H, L, *]
             qc, kc, vc, gc, bc = sl(q), sl(k), sl(v), sl(g), beta[b, c0:c1].transpose(0, 1)
-            aqk, _, w, u, kg, G, gam = kda_chunk_stages(qc, kc, gc, bc, vc, c1 - c0)
             hs.append(s)
-            v_new = u - w @ s
-            o[b, c0:c1] = ((qc * torch.exp(G)) @ s + aqk @ v_new).transpose(0, 1)
-            s = torch.exp(gam)[:, :, None] * s + kg.transpose(1, 2) @ v_new
+            if tiled_dtype is None:
+                aqk, _, w, u, kg, G, gam = kda_chunk_stages(qc, kc, gc, bc, vc, c1 - c0)
+                v_new = u - w @ s
+                o[b, c0:c1] = ((qc * torch.exp(G)) @ s + aqk @ v_new).transpose(0, 1)
+                s = torch.exp(gam)[:, :, None] * s + kg.transpose(1, 2) @ v_new
+            else:  # the state and v_new enter the products as tiled_dtype (fp32 accumulate)
+                rnd = lambda x: x.to(tiled_dtype).to(acc_dtype)   # noqa: E731
+                aqk, w, u, kg, qg, gam = kda_chunk_stages_tiled(qc, kc, gc, bc, vc, c1 - c0,
+                                                                op_dtype=tiled_dtype)
+                sb = rnd(s)
+                v_new = u - w @ sb
+                vb = rnd(v_new)
+                o[b, c0:c1] = (qg @ sb + aqk @ vb).transpose(0, 1)
+                s = torch.exp(gam)[:, :, None] * s + kg.transpose(1, 2) @ vb
         final[n] = s
     out = (o, final if output_final_state else None)
     return out + (hs,) if return_chunk_states else out
