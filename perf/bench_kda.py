@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_ms, write_results  # noqa: E402
+from common import time_graph_ms, time_ms, write_results  # noqa: E402
 
 from cutekern.reference import kda_gate, kda_reference  # noqa: E402
 
@@ -127,8 +127,8 @@ def main():
         return write_results("kda", rows, args.out, {
             "peer": f"flash-linear-attention (fla-core) {version}",
             "cutekern": "no KDA kernel yet: these are the peer's same-box numbers",
-            "timing": "eager calls (the peer's host time included), cold L2 (256 MB flush), "
-                      "median of reps",
+            "timing": "eager calls (the peer's host time included) and, where the call "
+                      "captures, CUDA-graph replays; cold L2 (256 MB flush); median of reps",
             "inputs": "q, k L2-normalized bf16; raw gate with the safe gate in kernel "
                       "(lower_bound -5); beta logits; D = 128; output_final_state",
             "peer_vs_fp64_reference": checks})
@@ -143,6 +143,11 @@ def main():
         tokens = (batch or 1) * sum(lens)
         row = {"case": name, "heads": h, "tokens": tokens, "fla_ms": t,
                "fla_tflops": FLOP_PER_TOKEN_HEAD * tokens * h / t / 1e9}
+        try:  # the same call as a CUDA-graph replay (no host time), where it captures
+            tg = time_graph_ms(lambda: run_peer(chunk_kda, p), reps=args.reps)
+            row.update(fla_graph_ms=tg, fla_graph_tflops=FLOP_PER_TOKEN_HEAD * tokens * h / tg / 1e9)
+        except Exception as e:  # noqa: BLE001
+            row["fla_graph_ms"] = f"not capturable: {type(e).__name__}: {str(e)[:120]}"
         print(row, flush=True)
         rows.append(row)
         save()
