@@ -82,8 +82,9 @@ def export(arches, out_dir, *, ops=None, designs=None, overrides=None, flags=Non
     entries, failures = [], []
     t_all = time.time()
     jobs = export_jobs() if jobs is None else jobs
-    if jobs > 1 and len(keys) > 1:
-        _prebuild(keys, min(jobs, len(keys)), log)
+    todo = [k for k in keys if not ck._usable(ck.entry_dir(k), True)]  # cached: nothing to do
+    if jobs > 1 and len(todo) > 1:
+        _prebuild(todo, min(jobs, len(todo)), log)
     for i, key in enumerate(keys, 1):
         tag = f"[{i}/{len(keys)}] {key.arch:8s} {key.op} {key.design:5s} " \
               f"{'/'.join(v for _, v in key.dtypes)} {dict(key.flags)}"

@@ -101,8 +101,8 @@ def check_kda_args(q, k, v, g, beta, *, scale=None, initial_state=None, use_gate
             if A_log.shape[0] != h:
                 raise _err("A_log", f"must be [H] = [{h}], got {tuple(A_log.shape)}")
         if dt_bias is not None:
-            _tensor("dt_bias", dt_bias, getattr(dt_bias, "ndim", 1) if getattr(dt_bias, "ndim", 1) == 2 else 1,
-                    (torch.float32,), dev)
+            flat = not (isinstance(dt_bias, torch.Tensor) and dt_bias.dim() == 2)
+            _tensor("dt_bias", dt_bias, 1 if flat else 2, (torch.float32,), dev)
             if tuple(dt_bias.shape) not in ((h, dk), (h * dk,)):
                 raise _err("dt_bias", f"must be [H, K] = [{h}, {dk}] or [H * K], got {tuple(dt_bias.shape)}")
         if safe_gate and lower_bound is None:
