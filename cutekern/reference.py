@@ -216,14 +216,13 @@ def _kda_prep(q, k, v, g, beta, scale, l2norm, beta_sigmoid, acc):
 
 def kda_reference(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None, use_qk_l2norm_in_kernel=False,
-                  use_beta_sigmoid_in_kernel=False,
-                  acc_dtype=torch.float64):
+                  use_beta_sigmoid_in_kernel=False, acc_dtype=torch.float64):
     """Token-by-token recurrence in exactly the spec's order (the float64 ground truth).
 
     q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] log decay (<= 0); beta [B, T, H]
     (post-sigmoid unless ``use_beta_sigmoid_in_kernel``); initial_state [N, H, K, V]; varlen:
-    B == 1 and cu_seqlens [N + 1]; flags and defaults as fla.ops.kda.chunk_kda's. Returns (o [B, T, H, V], final state [N, H, K, V] or None), in
-    ``acc_dtype``."""
+    B == 1 and cu_seqlens [N + 1]; flags and defaults as fla.ops.kda.chunk_kda's. Returns
+    (o [B, T, H, V], final state [N, H, K, V] or None), in ``acc_dtype``."""
     q, k, v, g, beta = _kda_prep(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel,
                                  use_beta_sigmoid_in_kernel, acc_dtype)
     bsz, t, h, dk = k.shape
@@ -292,7 +291,8 @@ def kda_chunk_stages_tiled(q, k, g, beta, v, chunk_len, sub=16, op_dtype=torch.b
         aqk[:, i0:i1, i0:i1] = torch.einsum("hrk,hsk,hrsk->hrs", q[:, i0:i1], k[:, i0:i1], dec)
         if i0:  # every earlier column in one product, decays split at token i0 - 1
             gb = G[:, i0 - 1:i0]
-            kl, ql = rnd(k[:, i0:i1] * torch.exp(G[:, i0:i1] - gb)), rnd(q[:, i0:i1] * torch.exp(G[:, i0:i1] - gb))
+            left = torch.exp(G[:, i0:i1] - gb)
+            kl, ql = rnd(k[:, i0:i1] * left), rnd(q[:, i0:i1] * left)
             kr = rnd(k[:, :i0] * torch.exp(gb - G[:, :i0]))
             akk[:, i0:i1, :i0] = kl @ kr.transpose(1, 2)
             aqk[:, i0:i1, :i0] = ql @ kr.transpose(1, 2)
