@@ -161,7 +161,5 @@ def chunk_work_list(seq_bounds, chunk=CHUNK):
 def seq_bounds(problem: KdaProblem, cu_seqlens=None):
     """(batch row, start, end) per sequence of a validated problem (pass the host copy of
     cu_seqlens when there is one: reading a GPU tensor syncs)."""
-    if not problem.varlen:
-        return [(b, 0, problem.seqlen) for b in range(problem.batch)]
-    cu = cu_seqlens.tolist()
-    return [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+    from .reference import kda_segments
+    return kda_segments(problem.batch, problem.seqlen, cu_seqlens if problem.varlen else None)

@@ -195,7 +195,7 @@ def kda_gate(g_raw, a_log=None, dt_bias=None, lower_bound=None, acc_dtype=torch.
     return lower_bound * torch.sigmoid(a * x)
 
 
-def _kda_segments(batch, t, cu_seqlens):
+def kda_segments(batch, t, cu_seqlens):
     """(batch row, start, end) per sequence: each batch row, or the varlen segments of row 0."""
     if cu_seqlens is None:
         return [(b, 0, t) for b in range(batch)]
@@ -214,6 +214,21 @@ def _kda_prep(q, k, v, g, beta, scale, l2norm, beta_sigmoid, acc):
     return q, k, v, g, beta
 
 
+def _kda_setup(q, k, v, g, beta, scale, l2norm, beta_sigmoid, cu_seqlens, acc):
+    """What both KDA references start from: prepared inputs, zeroed outputs, the sequences."""
+    q, k, v, g, beta = _kda_prep(q, k, v, g, beta, scale, l2norm, beta_sigmoid, acc)
+    bsz, t, h, dk = k.shape
+    segs = kda_segments(bsz, t, cu_seqlens)
+    o = torch.zeros(bsz, t, h, v.shape[-1], dtype=acc, device=q.device)
+    final = torch.zeros(len(segs), h, dk, v.shape[-1], dtype=acc, device=q.device)
+    return (q, k, v, g, beta), o, final, segs
+
+
+def _kda_state0(initial_state, n, like):
+    """Sequence n's starting state (a copy), zeros without an initial state."""
+    return initial_state[n].to(like.dtype).clone() if initial_state is not None else torch.zeros_like(like)
+
+
 def kda_reference(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None, use_qk_l2norm_in_kernel=False,
                   use_beta_sigmoid_in_kernel=False, acc_dtype=torch.float64):
@@ -223,16 +238,11 @@ def kda_reference(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     (post-sigmoid unless ``use_beta_sigmoid_in_kernel``); initial_state [N, H, K, V]; varlen:
     B == 1 and cu_seqlens [N + 1]; flags and defaults as fla.ops.kda.chunk_kda's. Returns
     (o [B, T, H, V], final state [N, H, K, V] or None), in ``acc_dtype``."""
-    q, k, v, g, beta = _kda_prep(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel,
-                                 use_beta_sigmoid_in_kernel, acc_dtype)
-    bsz, t, h, dk = k.shape
-    dv = v.shape[-1]
-    o = torch.zeros(bsz, t, h, dv, dtype=acc_dtype, device=q.device)
-    segs = _kda_segments(bsz, t, cu_seqlens)
-    final = torch.zeros(len(segs), h, dk, dv, dtype=acc_dtype, device=q.device)
+    (q, k, v, g, beta), o, final, segs = _kda_setup(
+        q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+        cu_seqlens, acc_dtype)
     for n, (b, s0, s1) in enumerate(segs):
-        s = (initial_state[n].to(acc_dtype).clone() if initial_state is not None
-             else torch.zeros(h, dk, dv, dtype=acc_dtype, device=q.device))
+        s = _kda_state0(initial_state, n, final[n])
         for i in range(s0, s1):
             s = s * torch.exp(g[b, i])[:, :, None]                       # decay first
             pred = torch.einsum("hkv,hk->hv", s, k[b, i])                 # S^T k
@@ -317,17 +327,12 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     order over the sequences), which a split of the chain must reproduce. ``tiled_dtype``
     (fp32 accumulation only): emulate the kernels' rounding, ``kda_chunk_stages_tiled`` for
     the stages and the state / v_new rounded to that dtype as product operands."""
-    q, k, v, g, beta = _kda_prep(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel,
-                                 use_beta_sigmoid_in_kernel, acc_dtype)
-    bsz, t, h, dk = k.shape
-    dv = v.shape[-1]
-    o = torch.zeros(bsz, t, h, dv, dtype=acc_dtype, device=q.device)
-    segs = _kda_segments(bsz, t, cu_seqlens)
-    final = torch.zeros(len(segs), h, dk, dv, dtype=acc_dtype, device=q.device)
+    (q, k, v, g, beta), o, final, segs = _kda_setup(
+        q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+        cu_seqlens, acc_dtype)
     hs = []
     for n, (b, s0, s1) in enumerate(segs):
-        s = (initial_state[n].to(acc_dtype).clone() if initial_state is not None
-             else torch.zeros(h, dk, dv, dtype=acc_dtype, device=q.device))
+        s = _kda_state0(initial_state, n, final[n])
         for c0 in range(s0, s1, chunk_size):
             c1 = min(c0 + chunk_size, s1)
             sl = lambda x: x[b, c0:c1].transpose(0, 1)            # [H, L, *]
