@@ -238,3 +238,73 @@ def bgmv_binplan_abi(dtype: str) -> tuple:
         TensorArg("ws", "float32", 2, align=4),
         StreamArg(),
     )
+
+
+def kda_chain_abi(dtype: str) -> tuple:
+    """ABI of the KDA chain (the sequential part of chunked prefill; one head dim K per
+    compiled variant, V a multiple of 64). Chunk-padded intra-chunk tensors, chunk c of
+    head h at [c, h]; rows past a sequence's end are zero:
+
+      w, qg, kg (NC, H, 64, K)  dtype    WY factor, q exp(G), k exp(Gamma - G)
+      u         (NC, H, 64, V)  dtype    WY factor of v
+      aqk       (NC, H, 64, 64) dtype    intra-chunk q k scores with decay (lower)
+      eg        (NC, H, K)      float32  exp(Gamma): the chunk's total decay
+      cu_seqlens (N + 1,)       int32    first row of each sequence in o's rows
+      cu_chunks  (N + 1,)       int32    first chunk of each sequence (chunks in order)
+      h0, ht    (N, H, K, V)    float32  initial state (read when has_h0) and final state
+                                         (written when store_ht)
+      o         (R, H, V)       dtype    output rows (B * T flattened)
+    """
+    return (
+        TensorArg("w", dtype, 4, align=8),
+        TensorArg("u", dtype, 4, align=8),
+        TensorArg("qg", dtype, 4, align=8),
+        TensorArg("kg", dtype, 4, align=8),
+        TensorArg("aqk", dtype, 4, align=8),
+        TensorArg("eg", "float32", 3, align=4),
+        TensorArg("cu_seqlens", "int32", 1, align=1),
+        TensorArg("cu_chunks", "int32", 1, align=1),
+        TensorArg("h0", "float32", 4, align=4),
+        TensorArg("o", dtype, 3, align=8),
+        TensorArg("ht", "float32", 4, align=4),
+        ScalarArg("has_h0", "int32"),
+        ScalarArg("store_ht", "int32"),
+        StreamArg(),
+    )
+
+
+def kda_intra_abi(dtype: str, g: str) -> tuple:
+    """ABI of the KDA intra-chunk stage (one head dim K per compiled variant, V a multiple of
+    64); writes the chain's inputs (kda_chain_abi) for every chunk c and head h:
+
+      q, k (R, H, K) dtype; v (R, H, V) dtype; g (R, H, K) g (log decay, or the raw gate)
+      beta (R, H) float32 (logits when beta_sigmoid)
+      a_log (H,), dt_bias (H, K) float32   the gate's parameters (gate_mode 1 / 2)
+      chunks (NC, 2) int32   (first row, length 1..64) of each chunk in q's rows
+      w, qg, kg (NC, H, 64, K), u (NC, H, 64, V), aqk (NC, H, 64, 64) dtype; eg (NC, H, K) fp32
+      scale (q's factor), l2norm, beta_sigmoid, gate_mode (0: g is the log decay; 1:
+      -exp(A_log) softplus(g + dt_bias); 2: lower_bound sigmoid(exp(A_log) (g + dt_bias))),
+      lower_bound
+    """
+    return (
+        TensorArg("q", dtype, 3, align=8),
+        TensorArg("k", dtype, 3, align=8),
+        TensorArg("v", dtype, 3, align=8),
+        TensorArg("g", g, 3, align=1),
+        TensorArg("beta", "float32", 2, align=1),
+        TensorArg("a_log", "float32", 1, align=1),
+        TensorArg("dt_bias", "float32", 2, align=1),
+        TensorArg("chunks", "int32", 2, align=1),
+        TensorArg("w", dtype, 4, align=8),
+        TensorArg("u", dtype, 4, align=8),
+        TensorArg("qg", dtype, 4, align=8),
+        TensorArg("kg", dtype, 4, align=8),
+        TensorArg("aqk", dtype, 4, align=8),
+        TensorArg("eg", "float32", 3, align=1),
+        ScalarArg("scale", "float32"),
+        ScalarArg("l2norm", "int32"),
+        ScalarArg("beta_sigmoid", "int32"),
+        ScalarArg("gate_mode", "int32"),
+        ScalarArg("lower_bound", "float32"),
+        StreamArg(),
+    )

@@ -1,9 +1,10 @@
-"""KDA (Kimi Delta Attention) chunked prefill: argument contract and the chunk work list.
+"""KDA (Kimi Delta Attention) chunked prefill over torch tensors.
 
-Status: no kernel yet (see README, "Features"). This module fixes what the kernels will
-accept, so that the torch-facing op, its tests and the kernels share one contract. The
-call mirrors ``fla.ops.kda.chunk_kda`` (same argument names and defaults, so it can stand
-in for it):
+Status (kernels/CONTRACT_KDA.md): two CuTe DSL kernels of the Ada design (they also build
+for sm_90a and run on the H200): the intra-chunk stage (kernels/ada/kda_intra.py, one CTA
+per (chunk, head)) and the chain (kernels/ada/kda_chain.py, one CTA per (sequence, head, 64
+columns of V)). No sm90 (WGMMA) or sm100 build yet: on SM100 the op raises. The call mirrors
+``fla.ops.kda.chunk_kda`` (same argument names and defaults, so it can stand in for it):
 
     chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
@@ -21,9 +22,12 @@ ground truth are in ``cutekern.reference`` (``kda_reference``, ``kda_chunked``, 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+
+from .runtime import _raw_stream
 
 IN_DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128)           # K and V the kernels will tile (one or two 64-wide blocks)
@@ -163,3 +167,134 @@ def seq_bounds(problem: KdaProblem, cu_seqlens=None):
     cu_seqlens when there is one: reading a GPU tensor syncs)."""
     from .reference import kda_segments
     return kda_segments(problem.batch, problem.seqlen, cu_seqlens if problem.varlen else None)
+
+
+# ------------------------------------------------------------------ the op
+
+
+def _chunk_table(bounds, seqlen, chunk=CHUNK):
+    """int32 [NC, 2] (first row in the flattened B * T rows, length) per chunk, the int32
+    first row of each sequence (N + 1 offsets) and its first chunk (N + 1 offsets)."""
+    work, offsets = chunk_work_list(bounds, chunk)
+    first = work[:, 1].long() * seqlen + work[:, 2].long()
+    table = torch.stack([first, work[:, 3].long()], 1).to(torch.int32)
+    # sequences are contiguous in the flattened rows: one offset list bounds them all
+    ends = [b * seqlen + s0 for b, s0, _ in bounds[:1]] + [b * seqlen + s1 for b, _, s1 in bounds]
+    return table, torch.tensor(ends, dtype=torch.int32), offsets
+
+
+def _chunk_rows(bounds, seqlen, chunk=CHUNK):
+    """``_chunk_table`` with, instead of the table, each chunk slot's flattened row
+    ([NC, chunk] int64, -1 past the sequence's end): the torch models' view
+    (reference.kda_intra_packed)."""
+    table, cu_rows, offsets = _chunk_table(bounds, seqlen, chunk)
+    j = torch.arange(chunk)
+    rows = torch.where(j[None, :] < table[:, 1:2].long(), table[:, :1].long() + j[None, :],
+                       torch.full((1, 1), -1, dtype=torch.int64))
+    return rows, cu_rows, offsets
+
+
+_DT_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def _intra(q, k, v, g, beta, chunks, *, scale, l2norm, beta_sigmoid, gate_mode, a_log,
+           dt_bias, lower_bound, out=None):
+    """The intra-chunk kernel: chunk-padded w, u, qg, kg, Aqk ([NC, H, 64, *], q's dtype) and
+    exp(Gamma) ([NC, H, K] fp32) for the chain (into ``out`` when given, in that order)."""
+    from .dispatch import get_function
+    bsz, t, h, dk = q.shape
+    dv = v.shape[-1]
+    nc, dt, dev = chunks.shape[0], q.dtype, q.device
+    fn = get_function("kda_intra", {"dtype": _DT_NAME[dt], "g": _DT_NAME[g.dtype]},
+                      {"head_k": dk}, dev, design="ada")
+    if out is None:
+        w, qg, kg = (torch.empty(nc, h, CHUNK, dk, dtype=dt, device=dev) for _ in range(3))
+        u = torch.empty(nc, h, CHUNK, dv, dtype=dt, device=dev)
+        aqk = torch.empty(nc, h, CHUNK, CHUNK, dtype=dt, device=dev)
+        eg = torch.empty(nc, h, dk, dtype=torch.float32, device=dev)
+    else:
+        w, u, qg, kg, aqk, eg = out
+    rows = lambda x: x.reshape(bsz * t, *x.shape[2:])                  # noqa: E731
+    fn(rows(q), rows(k), rows(v), rows(g), rows(beta.float()).contiguous(), a_log, dt_bias,
+       chunks, w, u, qg, kg, aqk, eg, float(dk ** -0.5 if scale is None else scale),
+       int(l2norm), int(beta_sigmoid), gate_mode, float(lower_bound or 0.0),
+       stream=_raw_stream(dev))
+    return w, u, qg, kg, aqk, eg
+
+
+def _chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, initial_state, o, ht):
+    from .dispatch import get_function
+    fn = get_function("kda_chain", {"dtype": _DT_NAME[o.dtype]}, {"head_k": w.shape[-1]},
+                      o.device, design="ada")
+    h0 = initial_state if initial_state is not None else ht
+    fn(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, h0, o.reshape(-1, *o.shape[2:]), ht,
+       int(initial_state is not None), 1, stream=_raw_stream(o.device))
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+              use_beta_sigmoid_in_kernel=False, A_log=None, dt_bias=None, safe_gate=False,
+              lower_bound=None, cu_seqlens=None, cu_seqlens_cpu=None):
+    """KDA chunked prefill (fla.ops.kda.chunk_kda's contract; see the module docstring).
+    Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or None)."""
+    pb = check_kda_args(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                        safe_gate=safe_gate, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
+                        cu_seqlens_cpu=cu_seqlens_cpu)
+    if not q.is_cuda:
+        raise _err("q", f"must be a CUDA tensor, got {q.device}")
+    cu_host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+    offsets = [int(x) for x in cu_host.tolist()] if pb.varlen else []
+    o, ht = _kda_op(q, k, v, g, beta, scale, initial_state, bool(output_final_state),
+                    bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
+                    bool(use_beta_sigmoid_in_kernel), A_log, dt_bias,
+                    None if lower_bound is None else float(lower_bound), offsets)
+    return o, (ht if output_final_state else None)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_tables(bounds: tuple, seqlen: int, device: torch.device):
+    """The chunk table and offsets on ``device``, per batch layout: a repeated call (and a
+    CUDA-graph capture after a warm-up call) copies nothing from the host."""
+    table, cu_rows, cu_chunks = _chunk_table(list(bounds), seqlen)
+    return table.to(device), cu_rows.to(device), cu_chunks.to(device)
+
+
+@torch.library.custom_op("cutekern::chunk_kda", mutates_args=())
+def _kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor, scale: float | None, initial_state: torch.Tensor | None,
+            output_final_state: bool, l2norm: bool, gate_in_kernel: bool, beta_sigmoid: bool,
+            A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None,
+            cu_seqlens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    bsz, t, h, dk = q.shape
+    dv = v.shape[-1]
+    bounds = ([(0, a, b) for a, b in zip(cu_seqlens, cu_seqlens[1:])] if cu_seqlens
+              else [(b, 0, t) for b in range(bsz)])
+    dev = q.device
+    table, cu_rows, cu_chunks = _device_tables(tuple(bounds), t, dev)
+    o = torch.empty(bsz, t, h, dv, dtype=q.dtype, device=dev)
+    # the chain writes every sequence's final state (0-chunk sequences: the initial one)
+    ht = torch.empty(len(bounds), h, dk, dv, dtype=torch.float32, device=dev)
+    if table.shape[0]:
+        gate_mode = 0 if not gate_in_kernel else (1 if lower_bound is None else 2)
+        a_log = A_log if A_log is not None else torch.zeros(h, device=dev)
+        dtb = (dt_bias.reshape(h, dk) if dt_bias is not None
+               else torch.zeros(h, dk, device=dev))
+        packed = _intra(q, k, v, g, beta, table, scale=scale, l2norm=l2norm,
+                        beta_sigmoid=beta_sigmoid, gate_mode=gate_mode, a_log=a_log,
+                        dt_bias=dtb, lower_bound=lower_bound)
+        _chain(*packed, cu_rows, cu_chunks, initial_state, o, ht)
+    elif initial_state is not None:
+        ht.copy_(initial_state)
+    else:
+        ht.zero_()
+    return o, (ht if output_final_state else ht.new_empty(0, h, dk, dv))
+
+
+@_kda_op.register_fake
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, gate_in_kernel,
+      beta_sigmoid, A_log, dt_bias, lower_bound, cu_seqlens):
+    bsz, t, h, dk = q.shape
+    n = (len(cu_seqlens) - 1) if cu_seqlens else bsz
+    o = q.new_empty(bsz, t, h, v.shape[-1])
+    return o, q.new_empty(n if output_final_state else 0, h, dk, v.shape[-1], dtype=torch.float32)

@@ -364,3 +364,75 @@ def kda_chunk_affine(q, k, g, beta, v, chunk_len):
     _, _, w, u, kg, _, gam = kda_chunk_stages(q, k, g, beta, v, chunk_len)
     m = torch.diag_embed(torch.exp(gam)) - kg.transpose(1, 2) @ w
     return m, kg.transpose(1, 2) @ u
+
+
+def kda_chain_packed(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, h0, num_rows):
+    """The chain kernel's contract (abi.kda_chain_abi) in fp32 over its packed inputs: per
+    sequence, its chunks in order with S fp32 and S / v_new rounded to the operands' dtype
+    as the products' inputs. Returns (o [num_rows, H, V] fp32, ht [N, H, K, V] fp32); rows
+    no sequence covers stay zero."""
+    f32 = torch.float32
+    rnd = lambda x: x.to(w.dtype).to(f32)                       # noqa: E731
+    nseq, h, dk, dv = len(cu_chunks) - 1, w.shape[1], w.shape[-1], u.shape[-1]
+    o = torch.zeros(num_rows, h, dv, dtype=f32, device=w.device)
+    ht = torch.zeros(nseq, h, dk, dv, dtype=f32, device=w.device)
+    for n in range(nseq):
+        s = h0[n].to(f32).clone() if h0 is not None else ht[n].clone()
+        r0, r1 = int(cu_rows[n]), int(cu_rows[n + 1])
+        for i, c in enumerate(range(int(cu_chunks[n]), int(cu_chunks[n + 1]))):
+            sb = rnd(s)
+            v_new = u[c].to(f32) - w[c].to(f32) @ sb
+            vb = rnd(v_new)
+            oc = qg[c].to(f32) @ sb + aqk[c].to(f32) @ vb            # [H, 64, V]
+            a = r0 + i * w.shape[2]
+            b = min(r1, a + w.shape[2])
+            o[a:b] = oc[:, :b - a].transpose(0, 1)
+            s = eg[c][:, :, None] * s + kg[c].to(f32).transpose(1, 2) @ vb
+        ht[n] = s
+    return o, ht
+
+
+def kda_intra_packed(q, k, v, g, beta, rows, dtype, *, scale, l2norm, beta_sigmoid, gate):
+    """The intra-chunk kernel's contract (abi.kda_intra_abi) as torch ops in fp32 with the
+    tile plan's 16-bit rounding points (``kda_chunk_stages_tiled``), batched over all chunks
+    and heads: chunk-padded w, u, qg, kg, Aqk in ``dtype`` ([NC, H, 64, *]) and exp(Gamma)
+    in fp32 ([NC, H, K]). ``rows`` [NC, 64]: each chunk slot's row in the flattened B * T
+    rows, -1 past a sequence's end (those slots get k = q = v = beta = g = 0, so they add
+    nothing and leave the decay unchanged). ``gate``: a callable applied to g, or None."""
+    bsz, t, h, dk = q.shape
+    chunk = rows.shape[1]
+    dv = v.shape[-1]
+    f32 = torch.float32
+    flat = lambda x: x.reshape(bsz * t, *x.shape[2:]).to(f32)          # noqa: E731
+    q, k, v, g, beta = flat(q), flat(k), flat(v), flat(g), flat(beta)
+    if gate is not None:
+        g = gate(g.reshape(-1, h, dk))
+    if l2norm:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * (dk ** -0.5 if scale is None else scale)
+    if beta_sigmoid:
+        beta = torch.sigmoid(beta)
+    nc = rows.shape[0]
+    idx = rows.to(q.device)
+    valid = (idx >= 0)
+    idx = idx.clamp_min(0)
+
+    out = {name: torch.empty(nc, h, chunk, d, dtype=dtype, device=q.device)
+           for name, d in (("w", dk), ("u", dv), ("qg", dk), ("kg", dk), ("aqk", chunk))}
+    eg = torch.empty(nc, h, dk, dtype=f32, device=q.device)
+    per = max(1, 4096 // h)
+    for c0 in range(0, nc, per):
+        sl = slice(c0, min(nc, c0 + per))
+        sub = idx[sl], valid[sl]
+        n = sub[0].shape[0]
+
+        def g2(x):
+            y = x[sub[0]] * sub[1].reshape(n, chunk, *([1] * (x.dim() - 1)))
+            return y.transpose(1, 2).reshape(n * h, chunk, *x.shape[2:])
+        aqk, w, u, kg, qg, gam = kda_chunk_stages_tiled(
+            g2(q), g2(k), g2(g), g2(beta), g2(v), chunk, op_dtype=dtype)
+        for name, x in (("w", w), ("u", u), ("qg", qg), ("kg", kg), ("aqk", aqk)):
+            out[name][sl] = x.reshape(n, h, chunk, -1).to(dtype)
+        eg[sl] = torch.exp(gam).reshape(n, h, dk)
+    return out["w"], out["u"], out["qg"], out["kg"], out["aqk"], eg

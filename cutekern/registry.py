@@ -196,6 +196,27 @@ OPS: dict = {
         make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["finalize"], cfg),
         doc="MoE-LoRA plan of a large batch: shrink + expand of each bin in one CTA, one launch",
     ),
+    "kda_chain": OpSpec(
+        name="kda_chain",
+        abi=_abi.kda_chain_abi,
+        # the Ada design only so far (it also builds for sm_90a); sm90 / sm100: not yet
+        designs={"ada": DesignImpl("kernels.ada.kda_chain", "KdaChainAda", "KdaChainAdaConfig")},
+        variants=tuple(((("dtype", dt),), (("head_k", d),))
+                       for dt in ("float16", "bfloat16") for d in (64, 128)),
+        make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["head_k"], cfg),
+        doc="KDA prefill, the chain: per (sequence, head, V block) the chunks' state recurrence",
+    ),
+    "kda_intra": OpSpec(
+        name="kda_intra",
+        abi=_abi.kda_intra_abi,
+        designs={"ada": DesignImpl("kernels.ada.kda_intra", "KdaIntraAda", "KdaIntraAdaConfig")},
+        # g: the gate input's dtype (fp32, or the inputs' own: no cast pass over a bf16 gate)
+        variants=tuple(((("dtype", dt), ("g", gd)), (("head_k", d),))
+                       for dt in ("float16", "bfloat16") for gd in ("float32", dt)
+                       for d in (64, 128)),
+        make=lambda k, dt, fl, cfg: k(dt["dtype"], dt["g"], fl["head_k"], cfg),
+        doc="KDA prefill, the intra-chunk stage: per (chunk, head) the chain's inputs",
+    ),
 }
 
 

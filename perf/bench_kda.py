@@ -1,8 +1,12 @@
-"""KDA prefill on one GPU: the peer (fla.ops.kda.chunk_kda, the Triton library the spec
-names) at the spec's shape set, timed on this GPU, and checked against our float64
-reference (cutekern.reference.kda_reference) so that the reference, the contract and the
-peer agree before any kernel of ours exists. No cutekern KDA kernel yet: the results file
-records the same-run baseline the kernels will be measured against.
+"""KDA prefill on one GPU: cutekern.kda.chunk_kda (two kernels of the Ada design, built for
+sm_90a: kernels/ada/kda_intra.py and kda_chain.py) and the peer (fla.ops.kda.chunk_kda, the
+Triton library the spec names) in the same run at the spec's shape set; both checked
+against our float64 reference (cutekern.reference.kda_reference).
+
+Per case, eager calls and CUDA-graph replays of both ops (ratio = peer / ours, graph
+replays), and our two kernels alone as graph replays on their inputs: ck_intra_ms, ck_chain_ms
+(the chain's FLOPs, ~1.15e5 per token per head at K = V = 128, and the bytes it reads give
+its TFLOP/s and GB/s).
 
 Inputs as the spec draws them: q, k randn then L2-normalized (bf16), raw gate randn with
 the safe gate in the kernel (A_log = rand(H), dt_bias = rand(H, K), lower_bound = -5),
@@ -22,10 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import time_graph_ms, time_ms, write_results  # noqa: E402
 
+from cutekern import kda as ck_kda  # noqa: E402
 from cutekern.reference import kda_gate, kda_reference  # noqa: E402
 
 D = 128
 FLOP_PER_TOKEN_HEAD = 1.64e5
+# the chain per token, head and the whole V: w S, qg S (2 K V), kg^T v_new (K V), Aqk v_new (64 V)
+CHAIN_FLOP_PER_TOKEN_HEAD = 2 * (3 * D * D + 64 * D)
 LOWER_BOUND = -5.0
 VARLEN_B = [1300, 547, 2048, 963, 271, 3063]
 VARLEN_C = [1024] * 8
@@ -58,7 +65,8 @@ def problem(lens, h, seed, batch=None):
     cu = None
     if not batch:
         cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64, device="cuda")
-    return dict(q=q, k=k, v=v, g_raw=g_raw, beta=beta, a_log=a_log, dt_bias=dt_bias, cu=cu)
+    return dict(q=q, k=k, v=v, g_raw=g_raw, beta=beta, a_log=a_log, dt_bias=dt_bias, cu=cu,
+                cu_cpu=None if cu is None else cu.cpu())
 
 
 def run_peer(chunk_kda, p, initial_state=None):
@@ -72,6 +80,38 @@ def run_reference(p, initial_state=None):
     g = kda_gate(p["g_raw"], p["a_log"], p["dt_bias"], lower_bound=LOWER_BOUND)
     return kda_reference(p["q"], p["k"], p["v"], g, p["beta"], initial_state=initial_state,
                          output_final_state=True, cu_seqlens=p["cu"], use_beta_sigmoid_in_kernel=True)
+
+
+def run_ours(p, initial_state=None):
+    return ck_kda.chunk_kda(p["q"], p["k"], p["v"], p["g_raw"], p["beta"],
+                            initial_state=initial_state, output_final_state=True,
+                            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                            A_log=p["a_log"], dt_bias=p["dt_bias"].flatten(), safe_gate=True,
+                            lower_bound=LOWER_BOUND, cu_seqlens=p["cu"],
+                            cu_seqlens_cpu=p["cu_cpu"])
+
+
+def chain_inputs(p, lens, batch):
+    """The chain kernel's prepared inputs for a problem (the op's own intra stage)."""
+    b, t = (batch, lens[0]) if batch else (1, sum(lens))
+    bounds = ([(i, 0, t) for i in range(b)] if batch else
+              [(0, a, c) for a, c in zip(p["cu"].tolist(), p["cu"].tolist()[1:])])
+    table, cu_rows, cu_chunks = ck_kda._chunk_table(bounds, t)
+    intra = dict(q=p["q"], k=p["k"], v=p["v"], g=p["g_raw"], beta=p["beta"], chunks=table.cuda(),
+                 scale=None, l2norm=False, beta_sigmoid=True, gate_mode=2, a_log=p["a_log"],
+                 dt_bias=p["dt_bias"], lower_bound=LOWER_BOUND)
+    packed = ck_kda._intra(**intra)
+    o = torch.empty_like(p["v"])
+    ht = torch.empty(len(bounds), p["q"].shape[2], D, D, device="cuda")
+    intra["out"] = packed
+    return intra, packed + (cu_rows.cuda(), cu_chunks.cuda(), None, o, ht)
+
+
+def chain_bytes(packed):
+    w, u, qg, kg, aqk, eg = packed[:6]
+    vb = u.shape[-1] // 64    # each V block's CTA reads w, qg, kg, Aqk, exp(Gamma) again
+    per = sum(x.numel() * x.element_size() for x in (w, qg, kg, aqk, eg))
+    return vb * per + u.numel() * u.element_size()
 
 
 def rel_err(x, ref):
@@ -88,9 +128,13 @@ def check_peer(chunk_kda):
                                       ("1x8192 H=64", [8192], 64, False)):
         p = problem(lens, h, seed=1)
         h0 = (torch.randn(len(lens), h, D, D, device="cuda") * 0.1) if with_state else None
-        o, ht = run_peer(chunk_kda, p, h0)
         o_ref, ht_ref = run_reference(p, h0)
-        row = {"case": name, "o": rel_err(o, o_ref), "final_state": rel_err(ht, ht_ref)}
+        row = {"case": name}
+        for who, run in (("cutekern", lambda: run_ours(p, h0)),
+                         ("fla", (lambda: run_peer(chunk_kda, p, h0)) if chunk_kda else None)):
+            if run is not None:
+                o, ht = run()
+                row[who] = {"o": rel_err(o, o_ref), "final_state": rel_err(ht, ht_ref)}
         print(row)
         rows.append(row)
     return rows
@@ -118,20 +162,19 @@ def main():
     if args.quick:
         args.reps, args.only = 5, args.only or "1x8192 H=64"
     chunk_kda, version = load_peer()
-    if chunk_kda is None:  # nothing to time yet without the peer: keep the committed results
-        print("bench_kda: no peer to time (install fla-core or set CUTEKERN_PEER_PATH); skipped")
-        return
     rows, checks = [], []
 
     def save():  # after every case: a run cut short by a time limit keeps what it measured
         return write_results("kda", rows, args.out, {
-            "peer": f"flash-linear-attention (fla-core) {version}",
-            "cutekern": "no KDA kernel yet: these are the peer's same-box numbers",
+            "peer": f"flash-linear-attention (fla-core) {version}" if chunk_kda else "not available",
+            "cutekern": "cutekern.kda.chunk_kda: intra + chain kernels, Ada design built "
+                        "for sm_90a (no sm90 / sm100 design yet); ck_intra_ms / ck_chain_ms "
+                        "each kernel alone (graph replay)",
             "timing": "eager calls (the peer's host time included) and, where the call "
                       "captures, CUDA-graph replays; cold L2 (256 MB flush); median of reps",
             "inputs": "q, k L2-normalized bf16; raw gate with the safe gate in kernel "
                       "(lower_bound -5); beta logits; D = 128; output_final_state",
-            "peer_vs_fp64_reference": checks})
+            "vs_fp64_reference": checks})
 
     if not args.no_check:
         checks = check_peer(chunk_kda)
@@ -139,15 +182,28 @@ def main():
         if args.only not in name:
             continue
         p = problem(lens, h, seed=0, batch=batch)
-        t = time_ms(lambda: run_peer(chunk_kda, p), reps=args.reps)
         tokens = (batch or 1) * sum(lens)
-        row = {"case": name, "heads": h, "tokens": tokens, "fla_ms": t,
-               "fla_tflops": FLOP_PER_TOKEN_HEAD * tokens * h / t / 1e9}
-        try:  # the same call as a CUDA-graph replay (no host time), where it captures
-            tg = time_graph_ms(lambda: run_peer(chunk_kda, p), reps=args.reps)
-            row.update(fla_graph_ms=tg, fla_graph_tflops=FLOP_PER_TOKEN_HEAD * tokens * h / tg / 1e9)
-        except Exception as e:  # noqa: BLE001
-            row["fla_graph_ms"] = f"not capturable: {type(e).__name__}: {str(e)[:120]}"
+        row = {"case": name, "heads": h, "tokens": tokens}
+        # ours: each kernel alone on its inputs (graph replays), the op eagerly and replayed
+        kw_i, args_c = chain_inputs(p, lens, batch)
+        ti = time_graph_ms(lambda: ck_kda._intra(**kw_i), reps=args.reps)
+        tc = time_graph_ms(lambda: ck_kda._chain(*args_c), reps=args.reps)
+        row.update(ck_intra_ms=ti, ck_chain_ms=tc,
+                   ck_chain_tflops=CHAIN_FLOP_PER_TOKEN_HEAD * tokens * h / tc / 1e9,
+                   ck_chain_gbps=chain_bytes(args_c) / tc / 1e6)
+        del kw_i, args_c
+        row["ck_ms"] = time_ms(lambda: run_ours(p), reps=args.reps)
+        tog = time_graph_ms(lambda: run_ours(p), reps=args.reps)
+        row.update(ck_graph_ms=tog, ck_graph_tflops=FLOP_PER_TOKEN_HEAD * tokens * h / tog / 1e9)
+        if chunk_kda is not None:
+            t = time_ms(lambda: run_peer(chunk_kda, p), reps=args.reps)
+            row.update(fla_ms=t, fla_tflops=FLOP_PER_TOKEN_HEAD * tokens * h / t / 1e9)
+            try:  # the same call as a CUDA-graph replay (no host time), where it captures
+                tg = time_graph_ms(lambda: run_peer(chunk_kda, p), reps=args.reps)
+                row.update(fla_graph_ms=tg, fla_graph_tflops=FLOP_PER_TOKEN_HEAD * tokens * h / tg / 1e9,
+                           speedup_graph=tg / tog, speedup_eager=t / row["ck_ms"])
+            except Exception as e:  # noqa: BLE001
+                row["fla_graph_ms"] = f"not capturable: {type(e).__name__}: {str(e)[:120]}"
         print(row, flush=True)
         rows.append(row)
         save()

@@ -43,6 +43,10 @@ OP_FINGERPRINTS = {
     ("bgmv_binplan", "ada"): ({"LDGSTS", "LDGDEPBAR", "VOTE", "HMMA", "STG"},
                               ATOMICS | {"UTMALDG", "HGMMA", "ACQBULK", "PREEXIT"}),
     ("bgmv_shrink", "sm100"): ({"UBLKCP", "SYNCS", "VOTE"}, ATOMICS | {"LDGSTS"}),
+    # the KDA chain: cp.async + ldmatrix + mma.sync, one writer per output (no atomics), the
+    # fp32 state block in registers (no local memory)
+    ("kda_chain", "ada"): ({"LDGSTS", "LDSM", "HMMA"},
+                           ATOMICS | {"HGMMA", "UTCHMMA", "UTMALDG", "LDL", "STL"}),
     ("bgmv_expand", "sm100"): ({"UTMALDG", "UBLKCP", "SYNCS", "VOTE"}, ATOMICS | {"LDGSTS"}),
 }
 

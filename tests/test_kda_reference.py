@@ -263,3 +263,38 @@ def test_tiled_stages_hold_the_bf16_bar(gate):
         assert rel(o, o_ref) <= bar and rel(f, f_ref) <= bar, (dt, rel(o, o_ref), rel(f, f_ref))
     if gate != "softplus":  # the mild softplus draw decays too slowly to show it
         assert torch.isinf(torch.exp(-torch.cumsum(g[0, :64], dim=0))).any()
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_op_packing_for_the_chain_kernel(varlen):
+    """What the op hands the chain kernel (cutekern.kda: the chunk rows, the intra stage as
+    torch ops, abi.kda_chain_abi's packed tensors), run through the fp32 model of the chain
+    kernel's contract (reference.kda_chain_packed), stays within the bf16 bar of the fp64
+    token recurrence: padding rows add nothing, sequences and chunks line up, the states of
+    0- and 1-token sequences pass through. (The kernel itself runs in tests/gpu.)"""
+    from cutekern.kda import _chunk_rows
+    from cutekern.reference import kda_intra_packed
+    from cutekern.reference import kda_chain_packed
+    cu = [0, 100, 101, 101, 300] if varlen else None
+    bsz, t = (1, 300) if varlen else (2, 150)
+    h, d = 3, 64
+    (q, k, v, g, beta), s0 = _inputs(bsz, t, h, d, d, 9, gate="softplus",
+                                     n_state=len(cu) - 1 if varlen else bsz, dtype=torch.bfloat16)
+    bounds = [(0, a, b) for a, b in zip(cu, cu[1:])] if varlen else [(b, 0, t) for b in range(bsz)]
+    rows, cu_rows, cu_chunks = _chunk_rows(bounds, t)
+    assert cu_chunks.tolist() == ([0, 2, 3, 3, 7] if varlen else [0, 3, 6])
+    assert cu_rows.tolist() == ([0, 100, 101, 101, 300] if varlen else [0, 150, 300])
+    w, u, qg, kg, aqk, eg = kda_intra_packed(q, k, v, g, beta, rows, torch.bfloat16, scale=None,
+                                         l2norm=True, beta_sigmoid=True, gate=None)
+    assert w.shape == (rows.shape[0], h, 64, d) and eg.dtype == torch.float32
+    pad = rows < 0                                          # [NC, 64]: rows past a sequence
+    for x in (w, u, qg, kg, aqk):
+        assert (x.transpose(1, 2)[pad] == 0).all()
+    o, ht = kda_chain_packed(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, s0, bsz * t)
+    ro, rh = kda_reference(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                           cu_seqlens=torch.tensor(cu) if varlen else None,
+                           use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    rel = lambda x, ref: ((x.double() - ref).norm() / ref.norm()).item()
+    assert rel(o, ro.reshape(bsz * t, h, d)) < 6e-3 and rel(ht, rh) < 6e-3
+    if varlen:
+        assert torch.equal(ht[2], s0[2])                    # the 0-token sequence

@@ -1,0 +1,525 @@
+"""Ada design of the KDA intra-chunk stage (sm_80 / sm_89; also built for sm_90a, where it
+runs on the H200): everything of chunked prefill that is parallel over chunks.
+
+One CTA of 4 warps per (chunk, head). From q, k, v, the gate g and beta it writes the chain
+kernel's inputs (abi.kda_chain_abi; kernels/CONTRACT_KDA.md):
+
+    G = cumsum(g) (the gate applied first when asked), Gamma = G[63]
+    Aqk[r, s] = rq_r rk_s sum_d q_rd k_sd exp(G_rd - G_sd)   s <= r
+    Akk[r, s] = beta_r rk_r rk_s sum_d k_rd k_sd exp(G_rd - G_sd)   s < r;  A = (I + Akk)^-1
+    w = A (beta k exp G),  u = A (beta v),  kg = k exp(Gamma - G),  qg = q exp(G)
+
+(rq, rk: the l2norm row factors, rq with the softmax-free scale; rows past the sequence's
+end have q = k = v = beta = g = 0.) Every exponent a tile sees is <= 0:
+- off-diagonal 16 x 16 blocks (rows in sub-chunk i, columns in sub-chunk j < i) are one
+  mma.sync product per column block j of 16-bit operands split at the first token after
+  sub-chunk j, b = 16 (j + 1): (k_r exp(G_r - G_b)) (k_s exp(G_b - G_s))^T, both <= 1;
+- diagonal blocks (s <= r in one sub-chunk) are summed in fp32 with the exact exponent
+  (one exp per (r, s, d): the costly part; the safe gate would allow tensor cores there);
+- A by blocked forward substitution in fp32 (16 x 16 diagonal inverses, then block rows);
+- w and u as mma.sync products of A's 16-bit copy (fp32 accumulation).
+K is processed in slabs of 64 columns (the score sums add up over slabs), so shared memory
+stays at ~75 KB for K = 128. G is kept in the log2 domain (exp(x) = exp2(x log2 e)).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warp
+
+SASS_REQUIRED = ("LDGSTS", "LDSM", "HMMA")
+SASS_FORBIDDEN = ("HGMMA", "ATOM", "ATOMG", "RED", "REDG")
+
+SMEM_LIMIT_BYTES = 99 * 1024
+_LOG2E = math.log2(math.e)
+_C = 64          # chunk
+_SL = 64         # K slab
+_NT = 128        # threads
+_DIAG_SLOTS = 5  # 136 (r, s <= r) pairs of a 16 x 16 diagonal block over 32 lanes
+
+_DTYPES = (cutlass.Float16, cutlass.BFloat16)
+
+
+@dataclass(frozen=True)
+class KdaIntraAdaConfig:
+    chunk: int = 64
+    num_warps: int = 4
+
+
+def _flat8(t):
+    """A thread's 8 consecutive elements of a row as a flat vector view (the copy atoms split
+    them into atom-sized modes; the arithmetic wants one shape)."""
+    return cute.make_tensor(t.iterator, cute.make_layout(8))
+
+
+class KdaIntraAda:
+    def __init__(self, dtype, g_dtype, head_k: int, config: KdaIntraAdaConfig = KdaIntraAdaConfig()):
+        if not KdaIntraAda.can_implement(dtype, g_dtype, head_k, config):
+            raise ValueError(f"KdaIntraAda cannot implement {dtype}, g {g_dtype}, K={head_k}, {config}")
+        self.dtype = dtype
+        self.g_dtype = g_dtype
+        self.K = head_k
+        self.NS = head_k // _SL
+        self.config = config
+
+    @staticmethod
+    def can_implement(dtype, g_dtype, head_k, config: KdaIntraAdaConfig) -> bool:
+        return (dtype in _DTYPES and g_dtype in (cutlass.Float32, dtype) and head_k in (64, 128)
+                and config.chunk == _C and config.num_warps == _NT // 32)
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor,
+                 beta: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor,
+                 chunks: cute.Tensor, w: cute.Tensor, u: cute.Tensor, qg: cute.Tensor,
+                 kg: cute.Tensor, aqk: cute.Tensor, eg: cute.Tensor, scale: cutlass.Float32,
+                 l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, gate_mode: cutlass.Int32,
+                 lower_bound: cutlass.Float32, stream: cuda.CUstream):
+        dt = self.dtype
+        atom = cute.make_composed_layout(
+            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+        s16 = cute.tile_to_shape(atom, (_C, _SL), (0, 1))       # 16-bit (row, 64 cols) tiles
+        s32 = cute.make_layout((_C, _SL), stride=(_SL, 1))      # fp32 (row, 64 cols) tiles
+
+        @cute.struct
+        class SharedStorage:
+            r1: cute.struct.Align[cute.struct.MemRange[dt, 2 * cute.cosize(s16)], 1024]
+            r2: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(s32)], 1024]
+            r3: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(s32)], 1024]
+            r4: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(s16)], 1024]
+            r5: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(s32)], 1024]
+            sx: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 16 * 48], 16]
+            srow: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 3 * _C], 16]
+
+        thr_layout = cute.make_layout((_NT // 8, 8), stride=(8, 1))
+        copy_g2s = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                dt, num_bits_per_copy=128),
+            thr_layout, cute.make_layout((1, 8)))
+        # the same (row, 8-column vector) map for register work on 16-bit and fp32 tiles
+        copy_v16 = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt, num_bits_per_copy=128),
+            thr_layout, cute.make_layout((1, 8)))
+        copy_v32 = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=128),
+            thr_layout, cute.make_layout((1, 8)))
+        op = warp.MmaF16BF16Op(dt, cutlass.Float32, (16, 8, 16))
+        # score blocks: 4 warps along the 64 rows, 16 columns (one sub-chunk)
+        mma_s = cute.make_tiled_mma(op, (4, 1, 1), permutation_mnk=(64, 16, 16))
+        # w, u: 2 x 2 warps over 64 x 64
+        mma_w = cute.make_tiled_mma(op, (2, 2, 1), permutation_mnk=(32, 32, 16))
+
+        H = q.shape[1]
+        self.kernel(q, k, v, g, beta, a_log, dt_bias, chunks, w, u, qg, kg, aqk, eg, scale,
+                    l2norm, beta_sigmoid, gate_mode, lower_bound, s16, s32, copy_g2s, copy_v16,
+                    copy_v32, mma_s, mma_w, SharedStorage).launch(
+            grid=[chunks.shape[0] * H, 1, 1], block=[_NT, 1, 1], stream=stream)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor,
+               beta: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor,
+               chunks: cute.Tensor, w: cute.Tensor, u: cute.Tensor, qg: cute.Tensor,
+               kg: cute.Tensor, aqk: cute.Tensor, eg: cute.Tensor, scale: cutlass.Float32,
+               l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, gate_mode: cutlass.Int32,
+               lower_bound: cutlass.Float32, s16: cute.ComposedLayout, s32: cute.Layout,
+               copy_g2s: cute.TiledCopy, copy_v16: cute.TiledCopy, copy_v32: cute.TiledCopy,
+               mma_s: cute.TiledMma, mma_w: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        dt, K, NS = self.dtype, self.K, self.NS
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        H = q.shape[1]
+        h = bid % H
+        c = bid // H
+        row0 = chunks[c, 0]
+        n = chunks[c, 1]
+        lane = tidx % 32
+        wid = tidx // 32
+
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(SharedStorage)
+        r1 = st.r1.get_tensor(cute.make_layout(2 * cute.cosize(s16)))
+        sQ = cute.make_tensor(r1.iterator, s16)                    # pass 1
+        sK = cute.make_tensor(r1.iterator + cute.cosize(s16), s16)
+        sAbf = cute.make_tensor(r1.iterator, s16)                  # after: A's 16-bit copy
+        sOut = cute.make_tensor(r1.iterator + cute.cosize(s16), s16)   # w / u staging
+        sG = st.r2.get_tensor(s32)                                 # G log2 domain, one slab
+        r3 = st.r3.get_tensor(s32)
+        sLk = cute.make_tensor(cute.recast_ptr(r3.iterator, dtype=dt), s16)
+        sLq = cute.make_tensor(cute.recast_ptr(r3.iterator, dtype=dt) + cute.cosize(s16), s16)
+        sAqk = r3                                                   # then Aqk fp32, then T
+        sT = r3
+        sR = st.r4.get_tensor(s16)                                 # pass 1: right operands
+        sRhs = st.r4.get_tensor(s16)                               # w / u: B operand
+        sRhsT = cute.composition(sRhs, cute.make_layout((_SL, _C), stride=(_C, 1)))
+        sAkk = st.r5.get_tensor(s32)
+        sX = st.sx.get_tensor(cute.make_layout((16, 48), stride=(48, 1)))
+        srow = st.srow.get_tensor(cute.make_layout((_C, 3), stride=(1, _C)))  # rq, rk, beta
+
+        gq = cute.domain_offset((row0, 0), q[None, h, None])
+        gk = cute.domain_offset((row0, 0), k[None, h, None])
+        gv = cute.domain_offset((row0, 0), v[None, h, None])
+        cT = cute.make_identity_tensor((_C, _SL))
+        thr_g2s = copy_g2s.get_slice(tidx)
+        thr16 = copy_v16.get_slice(tidx)
+        thr32 = copy_v32.get_slice(tidx)
+        tc = thr16.partition_S(cT)                                 # (8, 4, 1) coordinates
+
+        # ---- row factors: l2norm (and the scale), beta
+        self._row_factors(q, k, beta, srow, row0, n, h, scale, l2norm, beta_sigmoid, lane, wid)
+
+        # ---- pass 1 over K slabs: G, the score blocks
+        thr_s = mma_s.get_slice(tidx)
+        s2r_sa = cute.make_tiled_copy_A(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), mma_s)
+        s2r_sb = cute.make_tiled_copy_B(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), mma_s)
+        acc_kk = [cute.make_rmem_tensor(thr_s.partition_shape_C((_C, 16)), cutlass.Float32)
+                  for _ in range(3)]
+        acc_qk = [cute.make_rmem_tensor(thr_s.partition_shape_C((_C, 16)), cutlass.Float32)
+                  for _ in range(3)]
+        for j in cutlass.range_constexpr(3):
+            acc_kk[j].fill(0.0)
+            acc_qk[j].fill(0.0)
+        dkk = cute.make_rmem_tensor((_DIAG_SLOTS,), cutlass.Float32)
+        dqk = cute.make_rmem_tensor((_DIAG_SLOTS,), cutlass.Float32)
+        dkk.fill(0.0)
+        dqk.fill(0.0)
+        # this lane's diagonal pairs: p = lane + 32 m -> (r, s <= r) in block `wid`
+        pr = cute.make_rmem_tensor((_DIAG_SLOTS,), cutlass.Int32)
+        ps = cute.make_rmem_tensor((_DIAG_SLOTS,), cutlass.Int32)
+        for m in cutlass.range_constexpr(_DIAG_SLOTS):
+            p = lane + 32 * m
+            rr = cutlass.Int32((cute.math.sqrt(cutlass.Float32(8 * p + 1)) - 1.0) * 0.5)
+            pr[m] = 16 * wid + rr
+            ps[m] = 16 * wid + p - (rr * (rr + 1)) // 2
+
+        for sl in cutlass.range_constexpr(NS):
+            tq = thr_g2s.partition_S(cute.local_tile(gq, (_C, _SL), (0, sl)))
+            tk = thr_g2s.partition_S(cute.local_tile(gk, (_C, _SL), (0, sl)))
+            dq = thr_g2s.partition_D(sQ)
+            dk = thr_g2s.partition_D(sK)
+            for i in cutlass.range_constexpr(cute.size(dq, mode=[1])):
+                if tc[0, i, 0][0] < n:
+                    cute.copy(copy_g2s, tq[None, i, 0], dq[None, i, 0])
+                    cute.copy(copy_g2s, tk[None, i, 0], dk[None, i, 0])
+                else:
+                    dq[None, i, 0].fill(0)
+                    dk[None, i, 0].fill(0)
+            cute.arch.cp_async_commit_group()
+            self._cumsum(g, a_log, dt_bias, eg, sG, row0, n, c, h, sl, gate_mode, lower_bound,
+                         tidx, True)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+
+            # right operands, rows of sub-chunks 0..2: k_s exp(G_b - G_s), b = 16 (j + 1)
+            tR = thr16.partition_D(sR)
+            for i in cutlass.range_constexpr(3):
+                r = tc[0, i, 0][0]
+                kv = self._vec16(thr16, sK, i).load().to(cutlass.Float32)
+                gr = self._vec32(thr32, sG, i).load()
+                gb = self._row_vec(sG, 16 * (i + 1), tc[0, i, 0][1])
+                x = kv * srow[r, 1] * cute.math.exp2(gb - gr, fastmath=True)
+                _flat8(tR[None, i, 0]).store(x.to(dt))
+            for j in cutlass.range_constexpr(3):
+                # left operands for column block j: rows of sub-chunks > j
+                tLk = thr16.partition_D(sLk)
+                tLq = thr16.partition_D(sLq)
+                for i in cutlass.range_constexpr(4):
+                    if i > j:
+                        r = tc[0, i, 0][0]
+                        gr = self._vec32(thr32, sG, i).load()
+                        gb = self._row_vec(sG, 16 * (j + 1), tc[0, i, 0][1])
+                        e = cute.math.exp2(gr - gb, fastmath=True)
+                        kv = self._vec16(thr16, sK, i).load().to(cutlass.Float32)
+                        qv = self._vec16(thr16, sQ, i).load().to(cutlass.Float32)
+                        _flat8(tLk[None, i, 0]).store((kv * srow[r, 1] * e).to(dt))
+                        _flat8(tLq[None, i, 0]).store((qv * srow[r, 0] * e).to(dt))
+                    else:
+                        tLk[None, i, 0].fill(0)
+                        tLq[None, i, 0].fill(0)
+                cute.arch.sync_threads()
+                sRj = cute.local_tile(sR, (16, _SL), (j, 0))
+                self._gemm_ss(mma_s, thr_s, s2r_sa, s2r_sb, tidx, acc_kk[j], sLk, sRj)
+                self._gemm_ss(mma_s, thr_s, s2r_sa, s2r_sb, tidx, acc_qk[j], sLq, sRj)
+                cute.arch.sync_threads()
+
+            # diagonal blocks, exact exponents; lanes start at different columns so that the
+            # 32 lanes' loads fall on distinct banks
+            for d in cutlass.range(_SL, unroll=4):
+                col = (d + lane) % _SL
+                for m in cutlass.range_constexpr(_DIAG_SLOTS):
+                    if lane + 32 * m < 136:
+                        rr = pr[m]
+                        ss = ps[m]
+                        t = cute.math.exp2(sG[rr, col] - sG[ss, col], fastmath=True)
+                        ks = sK[ss, col].to(cutlass.Float32) * t
+                        dkk[m] = dkk[m] + sK[rr, col].to(cutlass.Float32) * ks
+                        dqk[m] = dqk[m] + sQ[rr, col].to(cutlass.Float32) * ks
+            cute.arch.sync_threads()
+
+        # ---- scores into shared memory: Akk scaled by beta (the inverse's L), Aqk
+        z32 = cute.make_rmem_tensor((8,), cutlass.Float32)
+        z32.fill(0.0)
+        for i in cutlass.range_constexpr(4):
+            cute.autovec_copy(z32, thr32.partition_D(sAkk)[None, i, 0])
+            cute.autovec_copy(z32, thr32.partition_D(sAqk)[None, i, 0])
+        cute.arch.sync_threads()
+        cS = cute.make_identity_tensor((_C, _C))
+        for j in cutlass.range_constexpr(3):
+            tcs = thr_s.partition_C(cute.local_tile(cS, (_C, 16), (0, j)))
+            tkk = thr_s.partition_C(cute.local_tile(sAkk, (_C, 16), (0, j)))
+            tqk = thr_s.partition_C(cute.local_tile(sAqk, (_C, 16), (0, j)))
+            for e in cutlass.range_constexpr(cute.size(tcs)):
+                rr = tcs[e][0]
+                if rr >= 16 * (j + 1):
+                    # the operands carried the row factors already; beta makes Akk the L of A
+                    tkk[e] = acc_kk[j][e] * srow[rr, 2]
+                    tqk[e] = acc_qk[j][e]
+        for m in cutlass.range_constexpr(_DIAG_SLOTS):
+            if lane + 32 * m < 136:
+                rr = pr[m]
+                ss = ps[m]
+                sAqk[rr, ss] = dqk[m] * srow[rr, 0] * srow[ss, 1]
+                if ss < rr:
+                    sAkk[rr, ss] = dkk[m] * srow[rr, 2] * srow[rr, 1] * srow[ss, 1]
+        cute.arch.sync_threads()
+
+        # ---- Aqk out (16-bit); its fp32 tile is then zeroed for T (the inverse)
+        gA = cute.local_tile(aqk[c, h, None, None], (_C, _C), (0, 0))
+        tgA = thr16.partition_D(gA)
+        for i in cutlass.range_constexpr(4):
+            x = thr32.partition_S(sAqk)[None, i, 0]
+            o = cute.make_rmem_tensor_like(tgA[None, i, 0], dt)
+            _flat8(o).store(_flat8(x).load().to(dt))
+            cute.copy(copy_v16, o, tgA[None, i, 0])
+            cute.autovec_copy(z32, _flat8(x))
+        cute.arch.sync_threads()
+
+        # ---- T = (I + L)^-1, L = sAkk (strictly lower): diagonal 16 x 16 blocks first
+        if tidx < 64:
+            b = tidx // 16
+            jc = tidx % 16
+            xs = cute.make_rmem_tensor((16,), cutlass.Float32)
+            for r in cutlass.range_constexpr(16):
+                val = cutlass.Float32(0.0)
+                if r == jc:
+                    val = cutlass.Float32(1.0)
+                for s in cutlass.range_constexpr(r):
+                    val = val - sAkk[16 * b + r, 16 * b + s] * xs[s]
+                xs[r] = val
+            for r in cutlass.range_constexpr(16):
+                sT[16 * b + r, 16 * b + jc] = xs[r]
+        cute.arch.sync_threads()
+        # block rows: T_i,<i = -T_ii (L_i,<i T_<i,<i)  (T's upper blocks are zero)
+        for ib in cutlass.range_constexpr(1, 4):
+            wdt = 16 * ib
+            for e0 in cutlass.range_constexpr(0, 16 * wdt, _NT):
+                e = e0 + tidx
+                rr = e // wdt
+                cc = e % wdt
+                acc = cutlass.Float32(0.0)
+                for m in cutlass.range_constexpr(wdt):
+                    acc = acc + sAkk[wdt + rr, m] * sT[m, cc]
+                sX[rr, cc] = acc
+            cute.arch.sync_threads()
+            for e0 in cutlass.range_constexpr(0, 16 * wdt, _NT):
+                e = e0 + tidx
+                rr = e // wdt
+                cc = e % wdt
+                acc = cutlass.Float32(0.0)
+                for m in cutlass.range_constexpr(16):
+                    acc = acc - sT[wdt + rr, wdt + m] * sX[m, cc]
+                sT[wdt + rr, cc] = acc
+            cute.arch.sync_threads()
+        # A's 16-bit copy: the A operand of w and u
+        tAb = thr16.partition_D(sAbf)
+        for i in cutlass.range_constexpr(4):
+            _flat8(tAb[None, i, 0]).store(_flat8(thr32.partition_S(sT)[None, i, 0]).load().to(dt))
+        cute.arch.sync_threads()
+
+        # ---- pass 2 over K slabs (the last one's G is still in shared memory): kg, qg, w
+        thr_w = mma_w.get_slice(tidx)
+        s2r_wa = cute.make_tiled_copy_A(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), mma_w)
+        s2r_wb = cute.make_tiled_copy_B(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), dt), mma_w)
+        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt), mma_w)
+        thr_r2s = r2s.get_slice(tidx)
+        tRhs = thr16.partition_D(sRhs)
+        for sl_ in cutlass.range_constexpr(NS):
+            sl = NS - 1 - sl_
+            if sl_ > 0:
+                self._cumsum(g, a_log, dt_bias, eg, sG, row0, n, c, h, sl, gate_mode,
+                             lower_bound, tidx, False)
+                cute.arch.sync_threads()
+            tq = thr16.partition_S(cute.local_tile(gq, (_C, _SL), (0, sl)))
+            tk = thr16.partition_S(cute.local_tile(gk, (_C, _SL), (0, sl)))
+            tkg = thr16.partition_D(cute.local_tile(kg[c, h, None, None], (_C, _SL), (0, sl)))
+            tqg = thr16.partition_D(cute.local_tile(qg[c, h, None, None], (_C, _SL), (0, sl)))
+            for i in cutlass.range_constexpr(4):
+                r = tc[0, i, 0][0]
+                qv = cute.make_rmem_tensor_like(tq[None, i, 0], dt)
+                kv = cute.make_rmem_tensor_like(tk[None, i, 0], dt)
+                if r < n:
+                    cute.copy(copy_v16, tq[None, i, 0], qv)
+                    cute.copy(copy_v16, tk[None, i, 0], kv)
+                else:
+                    qv.fill(0)
+                    kv.fill(0)
+                gr = self._vec32(thr32, sG, i).load()
+                gl = self._row_vec(sG, _C - 1, tc[0, i, 0][1])
+                eg_ = cute.math.exp2(gr, fastmath=True)
+                kf = _flat8(kv).load().to(cutlass.Float32) * srow[r, 1]
+                okg = cute.make_rmem_tensor_like(qv, dt)
+                oqg = cute.make_rmem_tensor_like(qv, dt)
+                _flat8(okg).store((kf * cute.math.exp2(gl - gr, fastmath=True)).to(dt))
+                _flat8(oqg).store((_flat8(qv).load().to(cutlass.Float32) * srow[r, 0] * eg_).to(dt))
+                cute.copy(copy_v16, okg, tkg[None, i, 0])
+                cute.copy(copy_v16, oqg, tqg[None, i, 0])
+                _flat8(tRhs[None, i, 0]).store((kf * srow[r, 2] * eg_).to(dt))
+            cute.arch.sync_threads()
+            self._wu_product(mma_w, thr_w, s2r_wa, s2r_wb, r2s, thr_r2s, tidx, sAbf, sRhsT, sOut,
+                             thr16, copy_v16, w[c, h, None, None], sl)
+
+        # ---- u = A (beta v), one 64-column block of V at a time
+        for vb in range(v.shape[2] // _SL):
+            tv = thr16.partition_S(cute.local_tile(gv, (_C, _SL), (0, vb)))
+            for i in cutlass.range_constexpr(4):
+                r = tc[0, i, 0][0]
+                vv = cute.make_rmem_tensor_like(tv[None, i, 0], dt)
+                if r < n:
+                    cute.copy(copy_v16, tv[None, i, 0], vv)
+                else:
+                    vv.fill(0)
+                _flat8(tRhs[None, i, 0]).store((_flat8(vv).load().to(cutlass.Float32) * srow[r, 2]).to(dt))
+            cute.arch.sync_threads()
+            self._wu_product(mma_w, thr_w, s2r_wa, s2r_wb, r2s, thr_r2s, tidx, sAbf, sRhsT, sOut,
+                             thr16, copy_v16, u[c, h, None, None], vb)
+
+    # ------------------------------------------------------------------ helpers
+    @cute.jit
+    def _row_factors(self, q: cute.Tensor, k: cute.Tensor, beta: cute.Tensor, srow: cute.Tensor,
+                     row0: cutlass.Int32, n: cutlass.Int32, h: cutlass.Int32,
+                     scale: cutlass.Float32, l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
+                     lane: cutlass.Int32, wid: cutlass.Int32):
+        """Warp `wid` owns rows 16 wid .. + 15: rq = scale / |q_r|, rk = 1 / |k_r| (l2norm; else
+        scale and 1), beta (sigmoid when asked); all 0 past the sequence's end."""
+        E = self.K // 32
+        for i in cutlass.range_constexpr(16):
+            r = 16 * wid + i
+            sq = cutlass.Float32(0.0)
+            sk = cutlass.Float32(0.0)
+            if r < n:
+                for e in cutlass.range_constexpr(E):
+                    xq = q[row0 + r, h, lane * E + e].to(cutlass.Float32)
+                    xk = k[row0 + r, h, lane * E + e].to(cutlass.Float32)
+                    sq = sq + xq * xq
+                    sk = sk + xk * xk
+            for off in cutlass.range_constexpr(5):
+                sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=16 >> off)
+                sk = sk + cute.arch.shuffle_sync_bfly(sk, offset=16 >> off)
+            if lane == 0:
+                rq = cutlass.Float32(0.0)
+                rk = cutlass.Float32(0.0)
+                bt = cutlass.Float32(0.0)
+                if r < n:
+                    rq = scale
+                    rk = cutlass.Float32(1.0)
+                    if l2norm != 0:
+                        rq = scale * cute.math.rsqrt(sq + 1e-6)
+                        rk = cute.math.rsqrt(sk + 1e-6)
+                    bt = beta[row0 + r, h]
+                    if beta_sigmoid != 0:
+                        bt = cute.arch.rcp_approx(1.0 + cute.math.exp(-bt, fastmath=True))
+                srow[r, 0] = rq
+                srow[r, 1] = rk
+                srow[r, 2] = bt
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _cumsum(self, g: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor, eg: cute.Tensor,
+                sG: cute.Tensor, row0: cutlass.Int32, n: cutlass.Int32, c: cutlass.Int32,
+                h: cutlass.Int32, sl: cutlass.Constexpr, gate_mode: cutlass.Int32,
+                lower_bound: cutlass.Float32, tidx: cutlass.Int32, write_eg: cutlass.Constexpr):
+        """Threads 0..63: column sl * 64 + tidx of G (log2 domain) over the chunk's rows; the
+        gate applied first (gate_mode 1: -exp(A_log) softplus(g + dt_bias); 2: lower_bound *
+        sigmoid(exp(A_log) (g + dt_bias))); rows past the end add 0. Writes exp(Gamma)."""
+        if tidx < _SL:
+            col = sl * _SL + tidx
+            ea = cutlass.Float32(1.0)
+            dtb = cutlass.Float32(0.0)
+            if gate_mode != 0:
+                ea = cute.math.exp(a_log[h])
+                dtb = dt_bias[h, col]
+            acc = cutlass.Float32(0.0)
+            for r in cutlass.range_constexpr(_C):
+                x = cutlass.Float32(0.0)
+                if r < n:
+                    x = g[row0 + r, h, col].to(cutlass.Float32)
+                    if gate_mode == 1:
+                        y = x + dtb
+                        sp = cute.math.log1p(cute.math.exp(cute.arch.fmin(y, 20.0), fastmath=True))
+                        if y > 20.0:
+                            sp = y
+                        x = -ea * sp
+                    elif gate_mode == 2:
+                        x = lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp(-ea * (x + dtb), fastmath=True))
+                acc = acc + x * _LOG2E
+                sG[r, tidx] = acc
+            if cutlass.const_expr(write_eg):
+                eg[c, h, col] = cute.math.exp2(acc)
+
+    @staticmethod
+    def _vec16(thr16, s, i):
+        return _flat8(thr16.partition_S(s)[None, i, 0])
+
+    @staticmethod
+    def _vec32(thr32, s, i):
+        return _flat8(thr32.partition_S(s)[None, i, 0])
+
+    @staticmethod
+    def _row_vec(sG, row, col0):
+        """The 8 fp32 of row `row` from column col0 (a thread's vector) as a vector."""
+        return cute.local_tile(sG[row, None], (8,), (col0 // 8,)).load()
+
+    @staticmethod
+    def _gemm_ss(tiled_mma, thr_mma, s2r_a, s2r_b, tidx, acc, sa, sb):
+        """acc += sa (M, K) sb (N, K)^T, both from shared memory through ldmatrix."""
+        ra = thr_mma.make_fragment_A(thr_mma.partition_A(sa))
+        rb = thr_mma.make_fragment_B(thr_mma.partition_B(sb))
+        ta = s2r_a.get_slice(tidx)
+        tb = s2r_b.get_slice(tidx)
+        xa, va = ta.partition_S(sa), ta.retile(ra)
+        xb, vb = tb.partition_S(sb), tb.retile(rb)
+        for kb in range(cute.size(ra, mode=[2])):    # traced inline: unrolled
+            cute.copy(s2r_a, xa[None, None, kb], va[None, None, kb])
+            cute.copy(s2r_b, xb[None, None, kb], vb[None, None, kb])
+            cute.gemm(tiled_mma, acc, ra[None, None, kb], rb[None, None, kb], acc)
+
+    @cute.jit
+    def _wu_product(self, mma_w: cute.TiledMma, thr_w: cute.TiledMma, s2r_wa: cute.TiledCopy,
+                    s2r_wb: cute.TiledCopy, r2s: cute.TiledCopy, thr_r2s: cute.TiledCopy,
+                    tidx: cutlass.Int32, sAbf: cute.Tensor, sRhsT: cute.Tensor,
+                    sOut: cute.Tensor, thr16: cute.TiledCopy, copy_v16: cute.TiledCopy,
+                    dst: cute.Tensor, col_block: cutlass.Int32):
+        """dst[:, 64 col_block ..] = A (the staged right-hand side), written as 16-bit."""
+        acc = cute.make_rmem_tensor(thr_w.partition_shape_C((_C, _SL)), cutlass.Float32)
+        acc.fill(0.0)
+        self._gemm_ss(mma_w, thr_w, s2r_wa, s2r_wb, tidx, acc, sAbf, sRhsT)
+        rO = cute.make_rmem_tensor_like(acc, self.dtype)
+        rO.store(acc.load().to(self.dtype))
+        cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sOut))
+        cute.arch.sync_threads()
+        tO = thr16.partition_S(sOut)
+        tD = thr16.partition_D(cute.local_tile(dst, (_C, _SL), (0, col_block)))
+        for i in cutlass.range_constexpr(4):
+            x = cute.make_rmem_tensor_like(tO[None, i, 0], self.dtype)
+            cute.autovec_copy(tO[None, i, 0], x)
+            cute.copy(copy_v16, x, tD[None, i, 0])
+        cute.arch.sync_threads()
