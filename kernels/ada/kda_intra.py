@@ -66,6 +66,10 @@ class KdaIntraAda:
         self.K = head_k
         self.NS = head_k // _SL
         self.config = config
+        # largest decay (log2 units) over a 16-token sub-chunk for which the diagonal blocks
+        # go to the tensor cores: the right factor exp2(G_first - G_s) then stays far inside
+        # the operand type's range (bf16: 2^127, fp16: 2^15); wider spreads: exact fp32
+        self.diag_spread = 96.0 if dtype == cutlass.BFloat16 else 8.0
 
     @staticmethod
     def can_implement(dtype, g_dtype, head_k, config: KdaIntraAdaConfig) -> bool:
@@ -95,6 +99,7 @@ class KdaIntraAda:
             r5: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(s32)], 1024]
             sx: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 16 * 48], 16]
             srow: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 3 * _C], 16]
+            sflag: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 4], 16]
 
         thr_layout = cute.make_layout((_NT // 8, 8), stride=(8, 1))
         copy_g2s = cute.make_tiled_copy_tv(
@@ -111,13 +116,15 @@ class KdaIntraAda:
         op = warp.MmaF16BF16Op(dt, cutlass.Float32, (16, 8, 16))
         # score blocks: 4 warps along the 64 rows, 16 columns (one sub-chunk)
         mma_s = cute.make_tiled_mma(op, (4, 1, 1), permutation_mnk=(64, 16, 16))
+        # diagonal blocks: one warp, 16 x 16
+        mma_d = cute.make_tiled_mma(op, (1, 1, 1), permutation_mnk=(16, 16, 16))
         # w, u: 2 x 2 warps over 64 x 64
         mma_w = cute.make_tiled_mma(op, (2, 2, 1), permutation_mnk=(32, 32, 16))
 
         H = q.shape[1]
         self.kernel(q, k, v, g, beta, a_log, dt_bias, chunks, w, u, qg, kg, aqk, eg, scale,
                     l2norm, beta_sigmoid, gate_mode, lower_bound, s16, s32, copy_g2s, copy_v16,
-                    copy_v32, mma_s, mma_w, SharedStorage).launch(
+                    copy_v32, mma_s, mma_d, mma_w, SharedStorage).launch(
             grid=[chunks.shape[0] * H, 1, 1], block=[_NT, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ device side
@@ -129,7 +136,8 @@ class KdaIntraAda:
                l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, gate_mode: cutlass.Int32,
                lower_bound: cutlass.Float32, s16: cute.ComposedLayout, s32: cute.Layout,
                copy_g2s: cute.TiledCopy, copy_v16: cute.TiledCopy, copy_v32: cute.TiledCopy,
-               mma_s: cute.TiledMma, mma_w: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+               mma_s: cute.TiledMma, mma_d: cute.TiledMma, mma_w: cute.TiledMma,
+               SharedStorage: cutlass.Constexpr):
         dt, K, NS = self.dtype, self.K, self.NS
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -158,12 +166,18 @@ class KdaIntraAda:
         sRhs = st.r4.get_tensor(s16)                               # w / u: B operand
         sRhsT = cute.composition(sRhs, cute.make_layout((_SL, _C), stride=(_C, 1)))
         sAkk = st.r5.get_tensor(s32)
+        # pass 1 only: the low 16-bit parts of the diagonal blocks' left operands
+        sDk_lo = cute.make_tensor(cute.recast_ptr(sAkk.iterator, dtype=dt), s16)
+        sDq_lo = cute.make_tensor(cute.recast_ptr(sAkk.iterator, dtype=dt) + cute.cosize(s16), s16)
         sX = st.sx.get_tensor(cute.make_layout((16, 48), stride=(48, 1)))
         srow = st.srow.get_tensor(cute.make_layout((_C, 3), stride=(1, _C)))  # rq, rk, beta
+        # per K slab: 1 when some diagonal block's decay spread is too wide for the tensor cores
+        sflag = st.sflag.get_tensor(cute.make_layout(4))
+        if tidx < 4:
+            sflag[tidx] = 0
 
         gq = cute.domain_offset((row0, 0), q[None, h, None])
         gk = cute.domain_offset((row0, 0), k[None, h, None])
-        gv = cute.domain_offset((row0, 0), v[None, h, None])
         cT = cute.make_identity_tensor((_C, _SL))
         thr_g2s = copy_g2s.get_slice(tidx)
         thr16 = copy_v16.get_slice(tidx)
@@ -186,6 +200,16 @@ class KdaIntraAda:
         for j in cutlass.range_constexpr(3):
             acc_kk[j].fill(0.0)
             acc_qk[j].fill(0.0)
+        # the diagonal blocks' tensor-core path: one warp per 16 x 16 block
+        thr_d = mma_d.get_slice(lane)
+        s2r_da = cute.make_tiled_copy_A(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), mma_d)
+        s2r_db = cute.make_tiled_copy_B(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), mma_d)
+        acc_dk = cute.make_rmem_tensor(thr_d.partition_shape_C((16, 16)), cutlass.Float32)
+        acc_dq = cute.make_rmem_tensor(thr_d.partition_shape_C((16, 16)), cutlass.Float32)
+        acc_dk.fill(0.0)
+        acc_dq.fill(0.0)
         dkk = cute.make_rmem_tensor((_DIAG_SLOTS,), cutlass.Float32)
         dqk = cute.make_rmem_tensor((_DIAG_SLOTS,), cutlass.Float32)
         dkk.fill(0.0)
@@ -212,8 +236,8 @@ class KdaIntraAda:
                     dq[None, i, 0].fill(0)
                     dk[None, i, 0].fill(0)
             cute.arch.cp_async_commit_group()
-            self._cumsum(g, a_log, dt_bias, eg, sG, row0, n, c, h, sl, gate_mode, lower_bound,
-                         tidx, True)
+            self._cumsum(g, a_log, dt_bias, eg, sG, sflag, row0, n, c, h, sl, gate_mode,
+                         lower_bound, tidx, True)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 
@@ -249,18 +273,68 @@ class KdaIntraAda:
                 self._gemm_ss(mma_s, thr_s, s2r_sa, s2r_sb, tidx, acc_qk[j], sLq, sRj)
                 cute.arch.sync_threads()
 
-            # diagonal blocks, exact exponents; lanes start at different columns so that the
-            # 32 lanes' loads fall on distinct banks
-            for d in cutlass.range(_SL, unroll=4):
-                col = (d + lane) % _SL
-                for m in cutlass.range_constexpr(_DIAG_SLOTS):
-                    if lane + 32 * m < 136:
-                        rr = pr[m]
-                        ss = ps[m]
-                        t = cute.math.exp2(sG[rr, col] - sG[ss, col], fastmath=True)
-                        ks = sK[ss, col].to(cutlass.Float32) * t
-                        dkk[m] = dkk[m] + sK[rr, col].to(cutlass.Float32) * ks
-                        dqk[m] = dqk[m] + sQ[rr, col].to(cutlass.Float32) * ks
+            if sflag[sl] == 0:
+                # diagonal blocks on the tensor cores, split at each sub-chunk's first token:
+                # left k_r exp(G_r - G_f) <= 1, right k_s exp(G_f - G_s) <= 2^diag_spread,
+                # each operand as a 16-bit pair hi + lo (hi hi' + hi lo' + lo hi': a short
+                # sequence's few diagonal terms are not averaged by anything else)
+                tE = thr16.partition_D(sR)
+                tDk = thr16.partition_D(sLk)
+                tDq = thr16.partition_D(sLq)
+                tDk_lo = thr16.partition_D(sDk_lo)
+                tDq_lo = thr16.partition_D(sDq_lo)
+                for i in cutlass.range_constexpr(4):
+                    r = tc[0, i, 0][0]
+                    gr = self._vec32(thr32, sG, i).load()
+                    gf = self._row_vec(sG, 16 * i, tc[0, i, 0][1])
+                    kv = self._vec16(thr16, sK, i).load().to(cutlass.Float32) * srow[r, 1]
+                    qv = self._vec16(thr16, sQ, i).load().to(cutlass.Float32) * srow[r, 0]
+                    e = cute.math.exp2(gr - gf, fastmath=True)
+                    xk = kv * e
+                    xq = qv * e
+                    hk = xk.to(dt)
+                    hq = xq.to(dt)
+                    _flat8(tDk[None, i, 0]).store(hk)
+                    _flat8(tDq[None, i, 0]).store(hq)
+                    _flat8(tDk_lo[None, i, 0]).store((xk - hk.to(cutlass.Float32)).to(dt))
+                    _flat8(tDq_lo[None, i, 0]).store((xq - hq.to(cutlass.Float32)).to(dt))
+                    _flat8(tE[None, i, 0]).store((kv * cute.math.exp2(gf - gr, fastmath=True)).to(dt))
+                cute.arch.sync_threads()
+                # warp w: its own 16 x 16 block
+                sDk_w = cute.local_tile(sLk, (16, _SL), (wid, 0))
+                sDq_w = cute.local_tile(sLq, (16, _SL), (wid, 0))
+                sDk_lo_w = cute.local_tile(sDk_lo, (16, _SL), (wid, 0))
+                sDq_lo_w = cute.local_tile(sDq_lo, (16, _SL), (wid, 0))
+                sE_w = cute.local_tile(sR, (16, _SL), (wid, 0))
+                self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dk, sDk_w, sE_w)
+                self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dq, sDq_w, sE_w)
+                self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dk, sDk_lo_w, sE_w)
+                self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dq, sDq_lo_w, sE_w)
+                cute.arch.sync_threads()
+                # the right operand's low part
+                for i in cutlass.range_constexpr(4):
+                    r = tc[0, i, 0][0]
+                    gr = self._vec32(thr32, sG, i).load()
+                    gf = self._row_vec(sG, 16 * i, tc[0, i, 0][1])
+                    kv = self._vec16(thr16, sK, i).load().to(cutlass.Float32) * srow[r, 1]
+                    xe = kv * cute.math.exp2(gf - gr, fastmath=True)
+                    _flat8(tE[None, i, 0]).store((xe - xe.to(dt).to(cutlass.Float32)).to(dt))
+                cute.arch.sync_threads()
+                self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dk, sDk_w, sE_w)
+                self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dq, sDq_w, sE_w)
+            else:
+                # exact exponents; lanes start at different columns so that the 32 lanes'
+                # loads fall on distinct banks
+                for d in cutlass.range(_SL, unroll=4):
+                    col = (d + lane) % _SL
+                    for m in cutlass.range_constexpr(_DIAG_SLOTS):
+                        if lane + 32 * m < 136:
+                            rr = pr[m]
+                            ss = ps[m]
+                            t = cute.math.exp2(sG[rr, col] - sG[ss, col], fastmath=True)
+                            ks = sK[ss, col].to(cutlass.Float32) * t
+                            dkk[m] = dkk[m] + sK[rr, col].to(cutlass.Float32) * ks
+                            dqk[m] = dqk[m] + sQ[rr, col].to(cutlass.Float32) * ks
             cute.arch.sync_threads()
 
         # ---- scores into shared memory: Akk scaled by beta (the inverse's L), Aqk
@@ -281,13 +355,25 @@ class KdaIntraAda:
                     # the operands carried the row factors already; beta makes Akk the L of A
                     tkk[e] = acc_kk[j][e] * srow[rr, 2]
                     tqk[e] = acc_qk[j][e]
+        # diagonal blocks: the tensor-core slabs' sums, then (after a barrier) the exact ones
+        tcd = thr_d.partition_C(cute.local_tile(cS, (16, 16), (wid, wid)))
+        tdk = thr_d.partition_C(cute.local_tile(sAkk, (16, 16), (wid, wid)))
+        tdq = thr_d.partition_C(cute.local_tile(sAqk, (16, 16), (wid, wid)))
+        for e in cutlass.range_constexpr(cute.size(tcd)):
+            rr = tcd[e][0]
+            ss = tcd[e][1]
+            if ss <= rr:
+                tdq[e] = acc_dq[e]
+                if ss < rr:
+                    tdk[e] = acc_dk[e] * srow[rr, 2]
+        cute.arch.sync_threads()
         for m in cutlass.range_constexpr(_DIAG_SLOTS):
             if lane + 32 * m < 136:
                 rr = pr[m]
                 ss = ps[m]
-                sAqk[rr, ss] = dqk[m] * srow[rr, 0] * srow[ss, 1]
+                sAqk[rr, ss] = sAqk[rr, ss] + dqk[m] * srow[rr, 0] * srow[ss, 1]
                 if ss < rr:
-                    sAkk[rr, ss] = dkk[m] * srow[rr, 2] * srow[rr, 1] * srow[ss, 1]
+                    sAkk[rr, ss] = sAkk[rr, ss] + dkk[m] * srow[rr, 2] * srow[rr, 1] * srow[ss, 1]
         cute.arch.sync_threads()
 
         # ---- Aqk out (16-bit); its fp32 tile is then zeroed for T (the inverse)
@@ -355,23 +441,16 @@ class KdaIntraAda:
         for sl_ in cutlass.range_constexpr(NS):
             sl = NS - 1 - sl_
             if sl_ > 0:
-                self._cumsum(g, a_log, dt_bias, eg, sG, row0, n, c, h, sl, gate_mode,
+                self._cumsum(g, a_log, dt_bias, eg, sG, sflag, row0, n, c, h, sl, gate_mode,
                              lower_bound, tidx, False)
                 cute.arch.sync_threads()
-            tq = thr16.partition_S(cute.local_tile(gq, (_C, _SL), (0, sl)))
-            tk = thr16.partition_S(cute.local_tile(gk, (_C, _SL), (0, sl)))
             tkg = thr16.partition_D(cute.local_tile(kg[c, h, None, None], (_C, _SL), (0, sl)))
             tqg = thr16.partition_D(cute.local_tile(qg[c, h, None, None], (_C, _SL), (0, sl)))
             for i in cutlass.range_constexpr(4):
                 r = tc[0, i, 0][0]
-                qv = cute.make_rmem_tensor_like(tq[None, i, 0], dt)
-                kv = cute.make_rmem_tensor_like(tk[None, i, 0], dt)
-                if r < n:
-                    cute.copy(copy_v16, tq[None, i, 0], qv)
-                    cute.copy(copy_v16, tk[None, i, 0], kv)
-                else:
-                    qv.fill(0)
-                    kv.fill(0)
+                # rows past the end read the last row again; their factors are 0
+                qv = self._row8(q, row0, n, r, h, sl * _SL + tc[0, i, 0][1])
+                kv = self._row8(k, row0, n, r, h, sl * _SL + tc[0, i, 0][1])
                 gr = self._vec32(thr32, sG, i).load()
                 gl = self._row_vec(sG, _C - 1, tc[0, i, 0][1])
                 eg_ = cute.math.exp2(gr, fastmath=True)
@@ -389,14 +468,9 @@ class KdaIntraAda:
 
         # ---- u = A (beta v), one 64-column block of V at a time
         for vb in range(v.shape[2] // _SL):
-            tv = thr16.partition_S(cute.local_tile(gv, (_C, _SL), (0, vb)))
             for i in cutlass.range_constexpr(4):
                 r = tc[0, i, 0][0]
-                vv = cute.make_rmem_tensor_like(tv[None, i, 0], dt)
-                if r < n:
-                    cute.copy(copy_v16, tv[None, i, 0], vv)
-                else:
-                    vv.fill(0)
+                vv = self._row8(v, row0, n, r, h, vb * _SL + tc[0, i, 0][1])   # beta 0 past the end
                 _flat8(tRhs[None, i, 0]).store((_flat8(vv).load().to(cutlass.Float32) * srow[r, 2]).to(dt))
             cute.arch.sync_threads()
             self._wu_product(mma_w, thr_w, s2r_wa, s2r_wb, r2s, thr_r2s, tidx, sAbf, sRhsT, sOut,
@@ -411,40 +485,47 @@ class KdaIntraAda:
         """Warp `wid` owns rows 16 wid .. + 15: rq = scale / |q_r|, rk = 1 / |k_r| (l2norm; else
         scale and 1), beta (sigmoid when asked); all 0 past the sequence's end."""
         E = self.K // 32
-        for i in cutlass.range_constexpr(16):
-            r = 16 * wid + i
-            sq = cutlass.Float32(0.0)
-            sk = cutlass.Float32(0.0)
-            if r < n:
-                for e in cutlass.range_constexpr(E):
-                    xq = q[row0 + r, h, lane * E + e].to(cutlass.Float32)
-                    xk = k[row0 + r, h, lane * E + e].to(cutlass.Float32)
-                    sq = sq + xq * xq
-                    sk = sk + xk * xk
-            for off in cutlass.range_constexpr(5):
-                sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=16 >> off)
-                sk = sk + cute.arch.shuffle_sync_bfly(sk, offset=16 >> off)
-            if lane == 0:
-                rq = cutlass.Float32(0.0)
-                rk = cutlass.Float32(0.0)
+        for i0 in cutlass.range_constexpr(0, 16, 8):
+            # every load of 8 rows issued before the first reduction (rows past the end read
+            # the last row again and get factor 0): one memory latency per 8 rows
+            xq = [None] * 8
+            xk = [None] * 8
+            for i in cutlass.range_constexpr(8):
+                rr = cutlass.min(16 * wid + i0 + i, n - 1)
+                xq[i] = cute.local_tile(q[row0 + rr, h, None], (E,), (lane,)).load().to(cutlass.Float32)
+                xk[i] = cute.local_tile(k[row0 + rr, h, None], (E,), (lane,)).load().to(cutlass.Float32)
+            for i in cutlass.range_constexpr(8):
+                r = 16 * wid + i0 + i
+                sq = (xq[i] * xq[i]).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+                sk = (xk[i] * xk[i]).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+                for off in cutlass.range_constexpr(5):
+                    sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=16 >> off)
+                    sk = sk + cute.arch.shuffle_sync_bfly(sk, offset=16 >> off)
+                if lane == 0:
+                    rq = cutlass.Float32(0.0)
+                    rk = cutlass.Float32(0.0)
+                    if r < n:
+                        rq = scale
+                        rk = cutlass.Float32(1.0)
+                        if l2norm != 0:
+                            rq = scale * cute.math.rsqrt(sq + 1e-6)
+                            rk = cute.math.rsqrt(sk + 1e-6)
+                    srow[r, 0] = rq
+                    srow[r, 1] = rk
+        # beta: one row per thread
+        if wid * 32 + lane < _C:
+            r = wid * 32 + lane
+            bt = beta[row0 + cutlass.min(r, n - 1), h]
+            if beta_sigmoid != 0:
+                bt = cute.arch.rcp_approx(1.0 + cute.math.exp(-bt, fastmath=True))
+            if r >= n:
                 bt = cutlass.Float32(0.0)
-                if r < n:
-                    rq = scale
-                    rk = cutlass.Float32(1.0)
-                    if l2norm != 0:
-                        rq = scale * cute.math.rsqrt(sq + 1e-6)
-                        rk = cute.math.rsqrt(sk + 1e-6)
-                    bt = beta[row0 + r, h]
-                    if beta_sigmoid != 0:
-                        bt = cute.arch.rcp_approx(1.0 + cute.math.exp(-bt, fastmath=True))
-                srow[r, 0] = rq
-                srow[r, 1] = rk
-                srow[r, 2] = bt
+            srow[r, 2] = bt
         cute.arch.sync_threads()
 
     @cute.jit
     def _cumsum(self, g: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor, eg: cute.Tensor,
-                sG: cute.Tensor, row0: cutlass.Int32, n: cutlass.Int32, c: cutlass.Int32,
+                sG: cute.Tensor, sflag: cute.Tensor, row0: cutlass.Int32, n: cutlass.Int32, c: cutlass.Int32,
                 h: cutlass.Int32, sl: cutlass.Constexpr, gate_mode: cutlass.Int32,
                 lower_bound: cutlass.Float32, tidx: cutlass.Int32, write_eg: cutlass.Constexpr):
         """Threads 0..63: column sl * 64 + tidx of G (log2 domain) over the chunk's rows; the
@@ -457,23 +538,48 @@ class KdaIntraAda:
             if gate_mode != 0:
                 ea = cute.math.exp(a_log[h])
                 dtb = dt_bias[h, col]
-            acc = cutlass.Float32(0.0)
+            # all 64 loads first (rows past the end read the last row, then count as 0), so
+            # the column costs one memory latency, not 64
+            xs = cute.make_rmem_tensor((_C,), cutlass.Float32)
             for r in cutlass.range_constexpr(_C):
-                x = cutlass.Float32(0.0)
+                xs[r] = g[row0 + cutlass.min(r, n - 1), h, col].to(cutlass.Float32)
+            if gate_mode == 1:
+                for r in cutlass.range_constexpr(_C):
+                    y = xs[r] + dtb
+                    sp = cute.math.log1p(cute.math.exp(cute.arch.fmin(y, 20.0), fastmath=True))
+                    if y > 20.0:
+                        sp = y
+                    xs[r] = -ea * sp
+            elif gate_mode == 2:
+                for r in cutlass.range_constexpr(_C):
+                    xs[r] = lower_bound * cute.arch.rcp_approx(
+                        1.0 + cute.math.exp(-ea * (xs[r] + dtb), fastmath=True))
+            acc = cutlass.Float32(0.0)
+            top = cutlass.Float32(0.0)
+            wide = cutlass.Int32(0)
+            for r in cutlass.range_constexpr(_C):
                 if r < n:
-                    x = g[row0 + r, h, col].to(cutlass.Float32)
-                    if gate_mode == 1:
-                        y = x + dtb
-                        sp = cute.math.log1p(cute.math.exp(cute.arch.fmin(y, 20.0), fastmath=True))
-                        if y > 20.0:
-                            sp = y
-                        x = -ea * sp
-                    elif gate_mode == 2:
-                        x = lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp(-ea * (x + dtb), fastmath=True))
-                acc = acc + x * _LOG2E
+                    acc = acc + xs[r] * _LOG2E
                 sG[r, tidx] = acc
+                if r % 16 == 0:
+                    top = acc
+                if r % 16 == 15:
+                    if top - acc > self.diag_spread:
+                        wide = 1
+            if wide != 0:
+                sflag[sl] = 1
             if cutlass.const_expr(write_eg):
                 eg[c, h, col] = cute.math.exp2(acc)
+
+    @staticmethod
+    def _row8(x, row0, n, r, h, col0):
+        """8 elements of row min(r, n - 1) of a (rows, H, D) tensor from column col0 (a
+        16-byte load, unconditional: no branch between a thread's loads)."""
+        rr = cutlass.min(r, n - 1)
+        t = cute.local_tile(x[row0 + rr, h, None], (8,), (col0 // 8,))
+        out = cute.make_rmem_tensor((8,), x.element_type)
+        cute.autovec_copy(t, out)
+        return out
 
     @staticmethod
     def _vec16(thr16, s, i):

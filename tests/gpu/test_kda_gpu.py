@@ -99,13 +99,18 @@ def test_chain_kernel_matches_its_contract(dtype, dk, dv):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dk,dv", [(128, 128), (64, 64), (64, 128)])
-@pytest.mark.parametrize("gate", ["log_decay", "softplus", "safe"])
+@pytest.mark.parametrize("gate", ["log_decay", "strong", "softplus", "safe"])
 def test_intra_kernel_matches_its_contract(dtype, dk, dv, gate):
-    """Every output poisoned first; chunks of 64, 36, 1 and 0 rows' worth of padding."""
+    """Every output poisoned first; chunks of 64, 36, 1 and 0 rows' worth of padding. The
+    "strong" log decay (down to -12 per token) spreads a 16-token sub-chunk past what the
+    tensor-core diagonal path takes, so its diagonal blocks run the exact fp32 path (fp16
+    takes that path for most gates; bf16 only for wide spreads)."""
     h = 2
     cu = [0, 100, 101, 229]
     t = cu[-1]
-    q, k, v, g, beta = make(1, t, h, dk, dv, dtype, 11, raw_gate=gate != "log_decay")
+    q, k, v, g, beta = make(1, t, h, dk, dv, dtype, 11, raw_gate=gate not in ("log_decay", "strong"))
+    if gate == "strong":
+        g = g * 12
     a_log = torch.randn(h, device="cuda") * 0.5
     dtb = torch.randn(h, dk, device="cuda") * 0.5
     lb = -5.0 if gate == "safe" else None
@@ -117,11 +122,11 @@ def test_intra_kernel_matches_its_contract(dtype, dk, dv, gate):
     out = (nan(nc, h, 64, dk), nan(nc, h, 64, dv), nan(nc, h, 64, dk), nan(nc, h, 64, dk),
            nan(nc, h, 64, 64), nan(nc, h, dk, dt=torch.float32))
     kda._intra(q, k, v, g, beta, table.cuda(), scale=None, l2norm=True, beta_sigmoid=True,
-               gate_mode={"log_decay": 0, "softplus": 1, "safe": 2}[gate], a_log=a_log,
+               gate_mode={"log_decay": 0, "strong": 0, "softplus": 1, "safe": 2}[gate], a_log=a_log,
                dt_bias=dtb, lower_bound=lb, out=out)
     torch.cuda.synchronize()
     gate_fn = None
-    if gate != "log_decay":
+    if gate in ("softplus", "safe"):
         from cutekern.reference import kda_gate
         gate_fn = lambda x: kda_gate(x, a_log, dtb, lb, acc_dtype=torch.float32)  # noqa: E731
     ref = kda_intra_packed(q, k, v, g, beta, rows, dtype, scale=None, l2norm=True,
@@ -175,6 +180,14 @@ def test_op_gate_forms(form):
         q, k = q * 0.1, k * 0.1   # no l2norm: keep the delta rule contractive
         g = -torch.rand_like(g)
         check_op(q, k, v, g, beta.float() * 4 - 2, use_beta_sigmoid_in_kernel=True, scale=0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_op_strong_decay(dtype):
+    """Log decays down to -12 per token: the diagonal blocks' exact path (and mixed slabs)."""
+    q, k, v, g, beta = make(1, 300, 2, 128, 128, dtype, 12)
+    g[..., :64] *= 12          # one K slab wide, the other narrow
+    check_op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
 
 
 def test_op_bf16_gate_input():
