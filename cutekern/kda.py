@@ -243,6 +243,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                         cu_seqlens_cpu=cu_seqlens_cpu)
     if not q.is_cuda:
         raise _err("q", f"must be a CUDA tensor, got {q.device}")
+    from .arch import DESIGNS_FOR_ARCH, target_arch
+    arch = target_arch(q.device)
+    if "ada" not in DESIGNS_FOR_ARCH[arch]:
+        raise NotImplementedError(f"chunk_kda: no KDA kernels for {arch} yet (the Ada design "
+                                  f"runs on sm_80, sm_89 and sm_90a)")
     cu_host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
     offsets = [int(x) for x in cu_host.tolist()] if pb.varlen else []
     o, ht = _kda_op(q, k, v, g, beta, scale, initial_state, bool(output_final_state),

@@ -298,3 +298,10 @@ def test_op_packing_for_the_chain_kernel(varlen):
     assert rel(o, ro.reshape(bsz * t, h, d)) < 6e-3 and rel(ht, rh) < 6e-3
     if varlen:
         assert torch.equal(ht[2], s0[2])                    # the 0-token sequence
+
+
+def test_op_rejects_host_tensors_naming_q():
+    from cutekern import chunk_kda
+    (q, k, v, g, beta), _ = _inputs(1, 10, 2, 64, 64, 3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'q'.*CUDA"):
+        chunk_kda(q, k, v, g, beta)

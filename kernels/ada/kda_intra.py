@@ -14,8 +14,10 @@ end have q = k = v = beta = g = 0.) Every exponent a tile sees is <= 0:
 - off-diagonal 16 x 16 blocks (rows in sub-chunk i, columns in sub-chunk j < i) are one
   mma.sync product per column block j of 16-bit operands split at the first token after
   sub-chunk j, b = 16 (j + 1): (k_r exp(G_r - G_b)) (k_s exp(G_b - G_s))^T, both <= 1;
-- diagonal blocks (s <= r in one sub-chunk) are summed in fp32 with the exact exponent
-  (one exp per (r, s, d): the costly part; the safe gate would allow tensor cores there);
+- diagonal blocks (s <= r in one sub-chunk) are one mma.sync product per warp, split at the
+  sub-chunk's first token f: (k_r exp(G_r - G_f)) <= 1 times (k_s exp(G_f - G_s)) <= 2^spread,
+  each operand a 16-bit hi + lo pair, when every sub-chunk's spread in the K slab is at most
+  `diag_spread`; otherwise summed in fp32 with the exact exponent (one exp per (r, s, d));
 - A by blocked forward substitution in fp32 (16 x 16 diagonal inverses, then block rows);
 - w and u as mma.sync products of A's 16-bit copy (fp32 accumulation).
 K is processed in slabs of 64 columns (the score sums add up over slabs), so shared memory
