@@ -10,7 +10,7 @@ kernel's inputs (abi.kda_chain_abi; kernels/CONTRACT_KDA.md):
     w = A (beta k exp G),  u = A (beta v),  kg = k exp(Gamma - G),  qg = q exp(G)
 
 (rq, rk: the l2norm row factors, rq with the softmax-free scale; rows past the sequence's
-end have q = k = v = beta = g = 0.) Every exponent a tile sees is <= 0:
+end have q = k = v = beta = g = 0.) Every decay factor a tile sees is bounded:
 - off-diagonal 16 x 16 blocks (rows in sub-chunk i, columns in sub-chunk j < i) are one
   mma.sync product per column block j of 16-bit operands split at the first token after
   sub-chunk j, b = 16 (j + 1): (k_r exp(G_r - G_b)) (k_s exp(G_b - G_s))^T, both <= 1;
@@ -37,7 +37,6 @@ from cutlass.cute.nvgpu import cpasync, warp
 SASS_REQUIRED = ("LDGSTS", "LDSM", "HMMA")
 SASS_FORBIDDEN = ("HGMMA", "ATOM", "ATOMG", "RED", "REDG")
 
-SMEM_LIMIT_BYTES = 99 * 1024
 _LOG2E = math.log2(math.e)
 _C = 64          # chunk
 _SL = 64         # K slab
