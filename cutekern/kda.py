@@ -49,6 +49,7 @@ class KdaProblem:
     num_seqs: int
     varlen: bool
     gate_in_kernel: bool
+    offsets: tuple = ()   # varlen: cu_seqlens as host ints (read once, here)
 
 
 def _tensor(name, t, ndim, dtypes, device=None):
@@ -122,6 +123,7 @@ def check_kda_args(q, k, v, g, beta, *, scale=None, initial_state=None, use_gate
         if cu_seqlens_cpu is not None:
             raise _err("cu_seqlens_cpu", "is given without cu_seqlens")
         num_seqs = bsz
+        cu = []
     else:
         _tensor("cu_seqlens", cu_seqlens, 1, (torch.int64,), dev)
         if bsz != 1:
@@ -144,7 +146,8 @@ def check_kda_args(q, k, v, g, beta, *, scale=None, initial_state=None, use_gate
         if tuple(initial_state.shape) != (num_seqs, h, dk, dv):
             raise _err("initial_state", f"must be [N, H, K, V] = [{num_seqs}, {h}, {dk}, {dv}], "
                                         f"got {tuple(initial_state.shape)}")
-    return KdaProblem(bsz, t, h, dk, dv, num_seqs, cu_seqlens is not None, bool(use_gate_in_kernel))
+    return KdaProblem(bsz, t, h, dk, dv, num_seqs, cu_seqlens is not None, bool(use_gate_in_kernel),
+                      tuple(int(x) for x in cu))
 
 
 def chunk_work_list(seq_bounds, chunk=CHUNK):
@@ -163,10 +166,17 @@ def chunk_work_list(seq_bounds, chunk=CHUNK):
 
 
 def seq_bounds(problem: KdaProblem, cu_seqlens=None):
-    """(batch row, start, end) per sequence of a validated problem (pass the host copy of
-    cu_seqlens when there is one: reading a GPU tensor syncs)."""
-    from .reference import kda_segments
-    return kda_segments(problem.batch, problem.seqlen, cu_seqlens if problem.varlen else None)
+    """(batch row, start, end) per sequence of a validated problem (from the offsets the
+    check read; ``cu_seqlens`` is accepted for the older call form and not read again)."""
+    return _bounds(problem.batch, problem.seqlen, problem.offsets)
+
+
+def _bounds(batch, seqlen, offsets):
+    """(batch row, start, end) per sequence: each batch row, or the varlen offsets' segments
+    of row 0 (``offsets``: host ints, empty when not varlen)."""
+    if offsets:
+        return [(0, a, b) for a, b in zip(offsets, offsets[1:])]
+    return [(b, 0, seqlen) for b in range(batch)]
 
 
 # ------------------------------------------------------------------ the op
@@ -248,12 +258,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if "ada" not in DESIGNS_FOR_ARCH[arch]:
         raise NotImplementedError(f"chunk_kda: no KDA kernels for {arch} yet (the Ada design "
                                   f"runs on sm_80, sm_89 and sm_90a)")
-    cu_host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
-    offsets = [int(x) for x in cu_host.tolist()] if pb.varlen else []
     o, ht = _kda_op(q, k, v, g, beta, scale, initial_state, bool(output_final_state),
                     bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
                     bool(use_beta_sigmoid_in_kernel), A_log, dt_bias,
-                    None if lower_bound is None else float(lower_bound), offsets)
+                    None if lower_bound is None else float(lower_bound), list(pb.offsets))
     return o, (ht if output_final_state else None)
 
 
@@ -273,8 +281,7 @@ def _kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             cu_seqlens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     bsz, t, h, dk = q.shape
     dv = v.shape[-1]
-    bounds = ([(0, a, b) for a, b in zip(cu_seqlens, cu_seqlens[1:])] if cu_seqlens
-              else [(b, 0, t) for b in range(bsz)])
+    bounds = _bounds(bsz, t, cu_seqlens)
     dev = q.device
     table, cu_rows, cu_chunks = _device_tables(tuple(bounds), t, dev)
     o = torch.empty(bsz, t, h, dv, dtype=q.dtype, device=dev)

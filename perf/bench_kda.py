@@ -94,8 +94,7 @@ def run_ours(p, initial_state=None):
 def chain_inputs(p, lens, batch):
     """The chain kernel's prepared inputs for a problem (the op's own intra stage)."""
     b, t = (batch, lens[0]) if batch else (1, sum(lens))
-    bounds = ([(i, 0, t) for i in range(b)] if batch else
-              [(0, a, c) for a, c in zip(p["cu"].tolist(), p["cu"].tolist()[1:])])
+    bounds = ck_kda._bounds(b, t, [] if batch else p["cu_cpu"].tolist())
     table, cu_rows, cu_chunks = ck_kda._chunk_table(bounds, t)
     intra = dict(q=p["q"], k=p["k"], v=p["v"], g=p["g_raw"], beta=p["beta"], chunks=table.cuda(),
                  scale=None, l2norm=False, beta_sigmoid=True, gate_mode=2, a_log=p["a_log"],
