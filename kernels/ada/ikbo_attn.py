@@ -28,7 +28,9 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
+
+from kernels.ada._tiles import ldsm, mn_view, row_atom, row_copy
 
 SASS_REQUIRED = ("LDGSTS", "LDSM", "HMMA")
 SASS_FORBIDDEN = ("HGMMA",)
@@ -99,10 +101,8 @@ class IkboAttnAda:
         D, bM, bN = self.head_dim, self.bM, self.bN
         dt = self.dtype
 
-        # smem rows of D elements in 64-element (128 B) atoms; the XOR swizzle puts the 8
-        # rows one ldmatrix reads (and one cp.async pass writes) on distinct bank groups
-        atom = cute.make_composed_layout(
-            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+        # smem rows of D elements in 64-element (128 B) swizzled segments
+        atom = row_atom()
         sQ_layout = cute.tile_to_shape(atom, (bM, D), (0, 1))
         sKV_layout = cute.tile_to_shape(atom, (bN, D, 2), (0, 1, 2))
 
@@ -112,16 +112,8 @@ class IkboAttnAda:
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
 
-        # 16-byte vectors, 8 threads along each 64-column segment of a row
-        thr_layout = cute.make_layout((self.num_threads // 8, 8), stride=(8, 1))
-        val_layout = cute.make_layout((1, 8))
-        copy_g2s = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                dt, num_bits_per_copy=128),
-            thr_layout, val_layout)
-        copy_s2g = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt, num_bits_per_copy=128),
-            thr_layout, val_layout)
+        copy_g2s = row_copy("g2s", dt, self.num_threads)
+        copy_s2g = row_copy("universal", dt, self.num_threads)
 
         # warps stacked along M (16 rows each); N permuted to 16 so one ldmatrix.x4 feeds
         # two n8 atoms and two adjacent n8 accumulators form one k16 A fragment of P
@@ -204,16 +196,10 @@ class IkboAttnAda:
             acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((bM, D)), cutlass.Float32)
             acc_O.fill(0.0)
 
-            s2r_Q = cute.make_tiled_copy_A(
-                cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt),
-                tiled_mma)
-            s2r_K = cute.make_tiled_copy_B(
-                cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt),
-                tiled_mma)
+            s2r_Q = cute.make_tiled_copy_A(ldsm(dt, False), tiled_mma)
+            s2r_K = cute.make_tiled_copy_B(ldsm(dt, False), tiled_mma)
             # V is key-major in smem; the transposed ldmatrix yields the key pairs the MMA wants
-            s2r_V = cute.make_tiled_copy_B(
-                cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), dt),
-                tiled_mma)
+            s2r_V = cute.make_tiled_copy_B(ldsm(dt, True), tiled_mma)
             thr_s2r_Q = s2r_Q.get_slice(tidx)
             thr_s2r_K = s2r_K.get_slice(tidx)
             thr_s2r_V = s2r_V.get_slice(tidx)
@@ -226,8 +212,8 @@ class IkboAttnAda:
 
             # in-tile (row, col) of each score accumulator, as a (row, col) view
             tScS = thr_mma.partition_C(cute.make_identity_tensor((bM, bN)))
-            tScS_mn = self._mn_view(tScS)
-            acc_O_mn = self._mn_view(acc_O)
+            tScS_mn = mn_view(tScS)
+            acc_O_mn = mn_view(acc_O)
 
             n_rows_thr = cute.size(acc_O_mn, mode=[0])
             row_max = cute.make_rmem_tensor((n_rows_thr,), cutlass.Float32)
@@ -254,7 +240,7 @@ class IkboAttnAda:
                     cute.gemm(tiled_mma, acc_S, tSrQ[None, None, kb], tSrK[None, None, kb], acc_S)
 
                 # ---- mask keys >= kv_len, online softmax
-                acc_S_mn = self._mn_view(acc_S)
+                acc_S_mn = mn_view(acc_S)
                 key0 = t * bN
                 for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                     if key0 + tScS_mn[0, c][1] >= n_kv:
@@ -343,14 +329,6 @@ class IkboAttnAda:
                     tVsV[None, i, d, stage].fill(0)
 
     # ------------------------------------------------------------------ helpers
-    def _mn_view(self, acc: cute.Tensor) -> cute.Tensor:
-        """((2, 2), MMA_M, MMA_N) accumulator -> ((2, MMA_M) rows, (2, MMA_N) cols) view."""
-        lay = cute.make_layout(acc.layout.shape)
-        mn = cute.make_layout(
-            ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
-            stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])))
-        return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
-
     @staticmethod
     def _quad_max(x):
         # the 4 lanes of a quad hold the same accumulator rows

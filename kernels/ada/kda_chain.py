@@ -28,6 +28,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
+from kernels.ada._tiles import ldsm, mn_view, row_atom, row_copy
+
 SASS_REQUIRED = ("LDGSTS", "LDSM", "HMMA")
 # one writer per output and per state element, in a fixed order: no atomics
 SASS_FORBIDDEN = ("HGMMA", "ATOM", "ATOMG", "RED", "REDG")
@@ -53,15 +55,6 @@ def _smem_bytes(head_k: int, config: KdaChainAdaConfig) -> int:
     c, bv = config.chunk, config.block_v
     # w, qg, kg; u, v_new, o; Aqk; S's 16-bit copy; exp(Gamma) in fp32
     return 2 * (3 * c * head_k + 3 * c * bv + c * c + head_k * bv) + 4 * head_k
-
-
-def _mn_view(acc: cute.Tensor) -> cute.Tensor:
-    """((2, 2), MMA_M, MMA_N) accumulator -> ((2, MMA_M) rows, (2, MMA_N) cols) view."""
-    lay = cute.make_layout(acc.layout.shape)
-    mn = cute.make_layout(
-        ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
-        stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])))
-    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
 
 
 class KdaChainAda:
@@ -93,10 +86,8 @@ class KdaChainAda:
                  has_h0: cutlass.Int32, store_ht: cutlass.Int32, stream: cuda.CUstream):
         C, K, BV, dt = self.C, self.K, self.BV, self.dtype
 
-        # every tile is rows of 64-element (128 B) segments; the XOR swizzle puts the 8 rows
-        # one ldmatrix reads (and one cp.async pass writes) on distinct bank groups
-        atom = cute.make_composed_layout(
-            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+        # every tile is rows of 64-element (128 B) swizzled segments
+        atom = row_atom()
         sCK_layout = cute.tile_to_shape(atom, (C, K), (0, 1))     # w, qg, kg: (token, k)
         sCV_layout = cute.tile_to_shape(atom, (C, BV), (0, 1))    # u, v_new, o: (token, v)
         sCC_layout = cute.tile_to_shape(atom, (C, C), (0, 1))     # Aqk: (token, token)
@@ -114,16 +105,8 @@ class KdaChainAda:
             sS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sEg: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, K], 16]
 
-        # 16-byte vectors, 8 threads along each 64-column segment of a row
-        thr_layout = cute.make_layout((self.num_threads // 8, 8), stride=(8, 1))
-        val_layout = cute.make_layout((1, 8))
-        copy_g2s = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                dt, num_bits_per_copy=128),
-            thr_layout, val_layout)
-        copy_s2g = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt, num_bits_per_copy=128),
-            thr_layout, val_layout)
+        copy_g2s = row_copy("g2s", dt, self.num_threads)
+        copy_s2g = row_copy("universal", dt, self.num_threads)
         # exp(Gamma): K fp32 in 16-byte vectors, the first K / 4 threads
         copy_eg = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
@@ -184,10 +167,9 @@ class KdaChainAda:
         sKgT = cute.composition(sKg, cute.make_layout((K, C), stride=(C, 1)))
 
         thr_mma = tiled_mma.get_slice(tidx)
-        lda = lambda tr: cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=tr, num_matrices=4), dt)  # noqa: E731
-        s2r_Ak = cute.make_tiled_copy_A(lda(False), tiled_mma)   # A stored (m, k), k contiguous
-        s2r_Am = cute.make_tiled_copy_A(lda(True), tiled_mma)    # kg^T: m (= k dim) contiguous
-        s2r_B = cute.make_tiled_copy_B(lda(True), tiled_mma)     # B stored (k, n), n contiguous
+        s2r_Ak = cute.make_tiled_copy_A(ldsm(dt, False), tiled_mma)   # A stored (m, k), k contiguous
+        s2r_Am = cute.make_tiled_copy_A(ldsm(dt, True), tiled_mma)    # kg^T: m (= k dim) contiguous
+        s2r_B = cute.make_tiled_copy_B(ldsm(dt, True), tiled_mma)     # B stored (k, n), n contiguous
         r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt), tiled_mma)
         thr_r2s = r2s.get_slice(tidx)
 
@@ -207,8 +189,8 @@ class KdaChainAda:
             cute.autovec_copy(thr_mma.partition_C(gH0), acc_S)
         else:
             acc_S.fill(0.0)
-        acc_S_mn = _mn_view(acc_S)
-        tScS_mn = _mn_view(thr_mma.partition_C(cute.make_identity_tensor((K, BV))))
+        acc_S_mn = mn_view(acc_S)
+        tScS_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((K, BV))))
         self._stage(acc_S, r2s, thr_r2s, sS)
 
         # ---- prologue: every tile of the first chunk in one group

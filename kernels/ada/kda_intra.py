@@ -32,7 +32,9 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
+
+from kernels.ada._tiles import ldsm, row_atom, row_copy
 
 SASS_REQUIRED = ("LDGSTS", "LDSM", "HMMA")
 SASS_FORBIDDEN = ("HGMMA", "ATOM", "ATOMG", "RED", "REDG")
@@ -86,9 +88,7 @@ class KdaIntraAda:
                  l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32, gate_mode: cutlass.Int32,
                  lower_bound: cutlass.Float32, stream: cuda.CUstream):
         dt = self.dtype
-        atom = cute.make_composed_layout(
-            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
-        s16 = cute.tile_to_shape(atom, (_C, _SL), (0, 1))       # 16-bit (row, 64 cols) tiles
+        s16 = cute.tile_to_shape(row_atom(), (_C, _SL), (0, 1))       # 16-bit (row, 64 cols) tiles
         s32 = cute.make_layout((_C, _SL), stride=(_SL, 1))      # fp32 (row, 64 cols) tiles
 
         @cute.struct
@@ -102,18 +102,10 @@ class KdaIntraAda:
             srow: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 3 * _C], 16]
             sflag: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 4], 16]
 
-        thr_layout = cute.make_layout((_NT // 8, 8), stride=(8, 1))
-        copy_g2s = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                dt, num_bits_per_copy=128),
-            thr_layout, cute.make_layout((1, 8)))
+        copy_g2s = row_copy("g2s", dt, _NT)
         # the same (row, 8-column vector) map for register work on 16-bit and fp32 tiles
-        copy_v16 = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt, num_bits_per_copy=128),
-            thr_layout, cute.make_layout((1, 8)))
-        copy_v32 = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=128),
-            thr_layout, cute.make_layout((1, 8)))
+        copy_v16 = row_copy("universal", dt, _NT)
+        copy_v32 = row_copy("universal", cutlass.Float32, _NT)
         op = warp.MmaF16BF16Op(dt, cutlass.Float32, (16, 8, 16))
         # score blocks: 4 warps along the 64 rows, 16 columns (one sub-chunk)
         mma_s = cute.make_tiled_mma(op, (4, 1, 1), permutation_mnk=(64, 16, 16))
@@ -190,10 +182,8 @@ class KdaIntraAda:
 
         # ---- pass 1 over K slabs: G, the score blocks
         thr_s = mma_s.get_slice(tidx)
-        s2r_sa = cute.make_tiled_copy_A(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), mma_s)
-        s2r_sb = cute.make_tiled_copy_B(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), mma_s)
+        s2r_sa = cute.make_tiled_copy_A(ldsm(dt, False), mma_s)
+        s2r_sb = cute.make_tiled_copy_B(ldsm(dt, False), mma_s)
         acc_kk = [cute.make_rmem_tensor(thr_s.partition_shape_C((_C, 16)), cutlass.Float32)
                   for _ in range(3)]
         acc_qk = [cute.make_rmem_tensor(thr_s.partition_shape_C((_C, 16)), cutlass.Float32)
@@ -203,10 +193,8 @@ class KdaIntraAda:
             acc_qk[j].fill(0.0)
         # the diagonal blocks' tensor-core path: one warp per 16 x 16 block
         thr_d = mma_d.get_slice(lane)
-        s2r_da = cute.make_tiled_copy_A(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), mma_d)
-        s2r_db = cute.make_tiled_copy_B(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), mma_d)
+        s2r_da = cute.make_tiled_copy_A(ldsm(dt, False), mma_d)
+        s2r_db = cute.make_tiled_copy_B(ldsm(dt, False), mma_d)
         acc_dk = cute.make_rmem_tensor(thr_d.partition_shape_C((16, 16)), cutlass.Float32)
         acc_dq = cute.make_rmem_tensor(thr_d.partition_shape_C((16, 16)), cutlass.Float32)
         acc_dk.fill(0.0)
@@ -246,8 +234,8 @@ class KdaIntraAda:
             tR = thr16.partition_D(sR)
             for i in cutlass.range_constexpr(3):
                 r = tc[0, i, 0][0]
-                kv = self._vec16(thr16, sK, i).load().to(cutlass.Float32)
-                gr = self._vec32(thr32, sG, i).load()
+                kv = self._vec(thr16, sK, i).load().to(cutlass.Float32)
+                gr = self._vec(thr32, sG, i).load()
                 gb = self._row_vec(sG, 16 * (i + 1), tc[0, i, 0][1])
                 x = kv * srow[r, 1] * cute.math.exp2(gb - gr, fastmath=True)
                 _flat8(tR[None, i, 0]).store(x.to(dt))
@@ -258,11 +246,11 @@ class KdaIntraAda:
                 for i in cutlass.range_constexpr(4):
                     if i > j:
                         r = tc[0, i, 0][0]
-                        gr = self._vec32(thr32, sG, i).load()
+                        gr = self._vec(thr32, sG, i).load()
                         gb = self._row_vec(sG, 16 * (j + 1), tc[0, i, 0][1])
                         e = cute.math.exp2(gr - gb, fastmath=True)
-                        kv = self._vec16(thr16, sK, i).load().to(cutlass.Float32)
-                        qv = self._vec16(thr16, sQ, i).load().to(cutlass.Float32)
+                        kv = self._vec(thr16, sK, i).load().to(cutlass.Float32)
+                        qv = self._vec(thr16, sQ, i).load().to(cutlass.Float32)
                         _flat8(tLk[None, i, 0]).store((kv * srow[r, 1] * e).to(dt))
                         _flat8(tLq[None, i, 0]).store((qv * srow[r, 0] * e).to(dt))
                     else:
@@ -286,10 +274,10 @@ class KdaIntraAda:
                 tDq_lo = thr16.partition_D(sDq_lo)
                 for i in cutlass.range_constexpr(4):
                     r = tc[0, i, 0][0]
-                    gr = self._vec32(thr32, sG, i).load()
+                    gr = self._vec(thr32, sG, i).load()
                     gf = self._row_vec(sG, 16 * i, tc[0, i, 0][1])
-                    kv = self._vec16(thr16, sK, i).load().to(cutlass.Float32) * srow[r, 1]
-                    qv = self._vec16(thr16, sQ, i).load().to(cutlass.Float32) * srow[r, 0]
+                    kv = self._vec(thr16, sK, i).load().to(cutlass.Float32) * srow[r, 1]
+                    qv = self._vec(thr16, sQ, i).load().to(cutlass.Float32) * srow[r, 0]
                     e = cute.math.exp2(gr - gf, fastmath=True)
                     xk = kv * e
                     xq = qv * e
@@ -315,9 +303,9 @@ class KdaIntraAda:
                 # the right operand's low part
                 for i in cutlass.range_constexpr(4):
                     r = tc[0, i, 0][0]
-                    gr = self._vec32(thr32, sG, i).load()
+                    gr = self._vec(thr32, sG, i).load()
                     gf = self._row_vec(sG, 16 * i, tc[0, i, 0][1])
-                    kv = self._vec16(thr16, sK, i).load().to(cutlass.Float32) * srow[r, 1]
+                    kv = self._vec(thr16, sK, i).load().to(cutlass.Float32) * srow[r, 1]
                     xe = kv * cute.math.exp2(gf - gr, fastmath=True)
                     _flat8(tE[None, i, 0]).store((xe - xe.to(dt).to(cutlass.Float32)).to(dt))
                 cute.arch.sync_threads()
@@ -432,10 +420,8 @@ class KdaIntraAda:
 
         # ---- pass 2 over K slabs (the last one's G is still in shared memory): kg, qg, w
         thr_w = mma_w.get_slice(tidx)
-        s2r_wa = cute.make_tiled_copy_A(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), mma_w)
-        s2r_wb = cute.make_tiled_copy_B(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), dt), mma_w)
+        s2r_wa = cute.make_tiled_copy_A(ldsm(dt, False), mma_w)
+        s2r_wb = cute.make_tiled_copy_B(ldsm(dt, True), mma_w)
         r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt), mma_w)
         thr_r2s = r2s.get_slice(tidx)
         tRhs = thr16.partition_D(sRhs)
@@ -452,7 +438,7 @@ class KdaIntraAda:
                 # rows past the end read the last row again; their factors are 0
                 qv = self._row8(q, row0, n, r, h, sl * _SL + tc[0, i, 0][1])
                 kv = self._row8(k, row0, n, r, h, sl * _SL + tc[0, i, 0][1])
-                gr = self._vec32(thr32, sG, i).load()
+                gr = self._vec(thr32, sG, i).load()
                 gl = self._row_vec(sG, _C - 1, tc[0, i, 0][1])
                 eg_ = cute.math.exp2(gr, fastmath=True)
                 kf = _flat8(kv).load().to(cutlass.Float32) * srow[r, 1]
@@ -583,12 +569,9 @@ class KdaIntraAda:
         return out
 
     @staticmethod
-    def _vec16(thr16, s, i):
-        return _flat8(thr16.partition_S(s)[None, i, 0])
-
-    @staticmethod
-    def _vec32(thr32, s, i):
-        return _flat8(thr32.partition_S(s)[None, i, 0])
+    def _vec(thr, s, i):
+        """A thread's i-th 8-element row vector of tile s, flat."""
+        return _flat8(thr.partition_S(s)[None, i, 0])
 
     @staticmethod
     def _row_vec(sG, row, col0):
