@@ -39,3 +39,26 @@ def mn_view(acc):
         ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
         stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])))
     return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+
+def smem_operand(thr_mma, s2r, tidx, s_tile, which):
+    """An mma.sync operand read from shared memory through ldmatrix: (copy, the thread's
+    shared-memory view, its register fragment, the fragment as the copy sees it). ``which``:
+    "A" or "B". Build once where the tile stays put; ``gemm_smem`` runs the product."""
+    if which == "A":
+        frag = thr_mma.make_fragment_A(thr_mma.partition_A(s_tile))
+    else:
+        frag = thr_mma.make_fragment_B(thr_mma.partition_B(s_tile))
+    thr = s2r.get_slice(tidx)
+    return s2r, thr.partition_S(s_tile), frag, thr.retile(frag)
+
+
+def gemm_smem(tiled_mma, acc, a, b):
+    """acc += A B^T over the operands' reduction mode, k-block by k-block (a Python loop:
+    unrolled in the trace); ``a``, ``b`` from ``smem_operand``."""
+    s2r_a, sa, ra, ra_v = a
+    s2r_b, sb, rb, rb_v = b
+    for kb in range(cute.size(ra, mode=[2])):
+        cute.copy(s2r_a, sa[None, None, kb], ra_v[None, None, kb])
+        cute.copy(s2r_b, sb[None, None, kb], rb_v[None, None, kb])
+        cute.gemm(tiled_mma, acc, ra[None, None, kb], rb[None, None, kb], acc)

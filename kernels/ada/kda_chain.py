@@ -28,7 +28,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
-from kernels.ada._tiles import ldsm, mn_view, row_atom, row_copy
+from kernels.ada._tiles import gemm_smem, ldsm, mn_view, row_atom, row_copy, smem_operand
 
 SASS_REQUIRED = ("LDGSTS", "LDSM", "HMMA")
 # one writer per output and per state element, in a fixed order: no atomics
@@ -174,12 +174,12 @@ class KdaChainAda:
         thr_r2s = r2s.get_slice(tidx)
 
         # ---- product operands: smem views, their ldmatrix partitions and register fragments
-        pW = self._operand_a(thr_mma, s2r_Ak, tidx, sW)
-        pQ = self._operand_a(thr_mma, s2r_Ak, tidx, sQ)
-        pA = self._operand_a(thr_mma, s2r_Ak, tidx, sA)
-        pKgT = self._operand_a(thr_mma, s2r_Am, tidx, sKgT)
-        pS = self._operand_b(thr_mma, s2r_B, tidx, sSt)
-        pVn = self._operand_b(thr_mma, s2r_B, tidx, sVnT)
+        pW = smem_operand(thr_mma, s2r_Ak, tidx, sW, "A")
+        pQ = smem_operand(thr_mma, s2r_Ak, tidx, sQ, "A")
+        pA = smem_operand(thr_mma, s2r_Ak, tidx, sA, "A")
+        pKgT = smem_operand(thr_mma, s2r_Am, tidx, sKgT, "A")
+        pS = smem_operand(thr_mma, s2r_B, tidx, sSt, "B")
+        pVn = smem_operand(thr_mma, s2r_B, tidx, sVnT, "B")
 
         # ---- the state block: fp32 accumulators of the (K, BV) update product
         acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((K, BV)), cutlass.Float32)
@@ -214,8 +214,8 @@ class KdaChainAda:
             acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((C, BV)), cutlass.Float32)
             acc_V.fill(0.0)
             acc_O.fill(0.0)
-            self._gemm(tiled_mma, acc_V, pW, pS)
-            self._gemm(tiled_mma, acc_O, pQ, pS)
+            gemm_smem(tiled_mma, acc_V, pW, pS)
+            gemm_smem(tiled_mma, acc_O, pQ, pS)
             rU = cute.make_rmem_tensor_like(acc_V, dt)
             cute.autovec_copy(tCsU, rU)
             acc_V.store(rU.load().to(cutlass.Float32) - acc_V.load())
@@ -229,13 +229,13 @@ class KdaChainAda:
             cute.arch.cp_async_commit_group()
 
             # ---- o = qg S + Aqk v_new, staged for coalesced stores
-            self._gemm(tiled_mma, acc_O, pA, pVn)
+            gemm_smem(tiled_mma, acc_O, pA, pVn)
             self._stage(acc_O, r2s, thr_r2s, sO)
 
             # ---- S = Diag(exp Gamma) S + kg^T v_new; its 16-bit copy for the next chunk
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 acc_S_mn[r, None] = acc_S_mn[r, None].load() * sEg[tScS_mn[r, 0][0]]
-            self._gemm(tiled_mma, acc_S, pKgT, pVn)
+            gemm_smem(tiled_mma, acc_S, pKgT, pVn)
             self._stage(acc_S, r2s, thr_r2s, sS)
             # o staged; every warp is done with Aqk, kg, exp(Gamma) and v_new
             cute.arch.sync_threads()
@@ -262,27 +262,6 @@ class KdaChainAda:
             cute.autovec_copy(acc_S, thr_mma.partition_C(gHt))
 
     # ------------------------------------------------------------------ helpers (traced inline)
-    @staticmethod
-    def _operand_a(thr_mma, s2r, tidx, s_tile):
-        frag = thr_mma.make_fragment_A(thr_mma.partition_A(s_tile))
-        thr = s2r.get_slice(tidx)
-        return s2r, thr.partition_S(s_tile), frag, thr.retile(frag)
-
-    @staticmethod
-    def _operand_b(thr_mma, s2r, tidx, s_tile):
-        frag = thr_mma.make_fragment_B(thr_mma.partition_B(s_tile))
-        thr = s2r.get_slice(tidx)
-        return s2r, thr.partition_S(s_tile), frag, thr.retile(frag)
-
-    @staticmethod
-    def _gemm(tiled_mma, acc, a, b):
-        s2r_a, sa, ra, ra_v = a
-        s2r_b, sb, rb, rb_v = b
-        for kb in range(cute.size(ra, mode=[2])):   # traced inline: a Python loop, unrolled
-            cute.copy(s2r_a, sa[None, None, kb], ra_v[None, None, kb])
-            cute.copy(s2r_b, sb[None, None, kb], rb_v[None, None, kb])
-            cute.gemm(tiled_mma, acc, ra[None, None, kb], rb[None, None, kb], acc)
-
     def _stage(self, acc, r2s, thr_r2s, s_tile):
         """fp32 accumulators -> 16-bit tile in shared memory (the next products' operand)."""
         r = cute.make_rmem_tensor_like(acc, self.dtype)

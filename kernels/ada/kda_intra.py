@@ -34,7 +34,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
-from kernels.ada._tiles import ldsm, row_atom, row_copy
+from kernels.ada._tiles import gemm_smem, ldsm, row_atom, row_copy, smem_operand
 
 SASS_REQUIRED = ("LDGSTS", "LDSM", "HMMA")
 SASS_FORBIDDEN = ("HGMMA", "ATOM", "ATOMG", "RED", "REDG")
@@ -581,16 +581,8 @@ class KdaIntraAda:
     @staticmethod
     def _gemm_ss(tiled_mma, thr_mma, s2r_a, s2r_b, tidx, acc, sa, sb):
         """acc += sa (M, K) sb (N, K)^T, both from shared memory through ldmatrix."""
-        ra = thr_mma.make_fragment_A(thr_mma.partition_A(sa))
-        rb = thr_mma.make_fragment_B(thr_mma.partition_B(sb))
-        ta = s2r_a.get_slice(tidx)
-        tb = s2r_b.get_slice(tidx)
-        xa, va = ta.partition_S(sa), ta.retile(ra)
-        xb, vb = tb.partition_S(sb), tb.retile(rb)
-        for kb in range(cute.size(ra, mode=[2])):    # traced inline: unrolled
-            cute.copy(s2r_a, xa[None, None, kb], va[None, None, kb])
-            cute.copy(s2r_b, xb[None, None, kb], vb[None, None, kb])
-            cute.gemm(tiled_mma, acc, ra[None, None, kb], rb[None, None, kb], acc)
+        gemm_smem(tiled_mma, acc, smem_operand(thr_mma, s2r_a, tidx, sa, "A"),
+                  smem_operand(thr_mma, s2r_b, tidx, sb, "B"))
 
     @cute.jit
     def _wu_product(self, mma_w: cute.TiledMma, thr_w: cute.TiledMma, s2r_wa: cute.TiledCopy,
