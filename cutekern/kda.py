@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .reference import kda_segments
 from .runtime import _raw_stream
 
 IN_DTYPES = (torch.bfloat16, torch.float16)
@@ -168,15 +169,7 @@ def chunk_work_list(seq_bounds, chunk=CHUNK):
 def seq_bounds(problem: KdaProblem, cu_seqlens=None):
     """(batch row, start, end) per sequence of a validated problem (from the offsets the
     check read; ``cu_seqlens`` is accepted for the older call form and not read again)."""
-    return _bounds(problem.batch, problem.seqlen, problem.offsets)
-
-
-def _bounds(batch, seqlen, offsets):
-    """(batch row, start, end) per sequence: each batch row, or the varlen offsets' segments
-    of row 0 (``offsets``: host ints, empty when not varlen)."""
-    if offsets:
-        return [(0, a, b) for a, b in zip(offsets, offsets[1:])]
-    return [(b, 0, seqlen) for b in range(batch)]
+    return kda_segments(problem.batch, problem.seqlen, problem.offsets)
 
 
 # ------------------------------------------------------------------ the op
@@ -281,7 +274,7 @@ def _kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             cu_seqlens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     bsz, t, h, dk = q.shape
     dv = v.shape[-1]
-    bounds = _bounds(bsz, t, cu_seqlens)
+    bounds = kda_segments(bsz, t, cu_seqlens)
     dev = q.device
     table, cu_rows, cu_chunks = _device_tables(tuple(bounds), t, dev)
     o = torch.empty(bsz, t, h, dv, dtype=q.dtype, device=dev)

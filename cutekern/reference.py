@@ -196,10 +196,11 @@ def kda_gate(g_raw, a_log=None, dt_bias=None, lower_bound=None, acc_dtype=torch.
 
 
 def kda_segments(batch, t, cu_seqlens):
-    """(batch row, start, end) per sequence: each batch row, or the varlen segments of row 0."""
-    if cu_seqlens is None:
+    """(batch row, start, end) per sequence: each batch row, or the varlen segments of row 0
+    (``cu_seqlens``: a tensor or a sequence of host ints; None, or empty, when not varlen)."""
+    if cu_seqlens is None or len(cu_seqlens) == 0:
         return [(b, 0, t) for b in range(batch)]
-    cu = [int(x) for x in cu_seqlens.tolist()]
+    cu = [int(x) for x in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
     return [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import time_graph_ms, time_ms, write_results  # noqa: E402
 
 from cutekern import kda as ck_kda  # noqa: E402
-from cutekern.reference import kda_gate, kda_reference  # noqa: E402
+from cutekern.reference import kda_gate, kda_reference, kda_segments  # noqa: E402
 
 D = 128
 FLOP_PER_TOKEN_HEAD = 1.64e5
@@ -94,7 +94,7 @@ def run_ours(p, initial_state=None):
 def chain_inputs(p, lens, batch):
     """The chain kernel's prepared inputs for a problem (the op's own intra stage)."""
     b, t = (batch, lens[0]) if batch else (1, sum(lens))
-    bounds = ck_kda._bounds(b, t, [] if batch else p["cu_cpu"].tolist())
+    bounds = kda_segments(b, t, None if batch else p["cu_cpu"])
     table, cu_rows, cu_chunks = ck_kda._chunk_table(bounds, t)
     intra = dict(q=p["q"], k=p["k"], v=p["v"], g=p["g_raw"], beta=p["beta"], chunks=table.cuda(),
                  scale=None, l2norm=False, beta_sigmoid=True, gate_mode=2, a_log=p["a_log"],
