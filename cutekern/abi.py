@@ -290,7 +290,7 @@ def kda_intra_abi(dtype: str, g: str) -> tuple:
         TensorArg("q", dtype, 3, align=8),
         TensorArg("k", dtype, 3, align=8),
         TensorArg("v", dtype, 3, align=8),
-        TensorArg("g", g, 3, align=1),
+        TensorArg("g", g, 3, align=8),
         TensorArg("beta", "float32", 2, align=1),
         TensorArg("a_log", "float32", 1, align=1),
         TensorArg("dt_bias", "float32", 2, align=1),

@@ -20,8 +20,12 @@ end have q = k = v = beta = g = 0.) Every decay factor a tile sees is bounded:
   `diag_spread`; otherwise summed in fp32 with the exact exponent (one exp per (r, s, d));
 - A by blocked forward substitution in fp32 (16 x 16 diagonal inverses, then block rows);
 - w and u as mma.sync products of A's 16-bit copy (fp32 accumulation).
-K is processed in slabs of 64 columns (the score sums add up over slabs), so shared memory
-stays at ~75 KB for K = 128. G is kept in the log2 domain (exp(x) = exp2(x log2 e)).
+G of all K columns is computed once, on all threads (g's rows as 16-byte vectors, then a
+column scan with the gate applied on the way), and kept in shared memory in the log2 domain
+(exp(x) = exp2(x log2 e)). q and k are processed in slabs of 64 columns (the score sums add
+up over slabs) in a loop that is not unrolled: one copy of its code, so the instruction
+cache stays warm (the straight-line build spent a third of its time on instruction fetch).
+Shared memory ~93 KB for K = 128.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ SASS_REQUIRED = ("LDGSTS", "LDSM", "HMMA")
 SASS_FORBIDDEN = ("HGMMA", "ATOM", "ATOMG", "RED", "REDG")
 
 _LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
 _C = 64          # chunk
 _SL = 64         # K slab
 _NT = 128        # threads
@@ -72,7 +77,11 @@ class KdaIntraAda:
         # largest decay (log2 units) over a 16-token sub-chunk for which the diagonal blocks
         # go to the tensor cores: the right factor exp2(G_first - G_s) then stays far inside
         # the operand type's range (bf16: 2^127, fp16: 2^15); wider spreads: exact fp32
-        self.diag_spread = 96.0 if dtype == cutlass.BFloat16 else 8.0
+        # (bounded: every row of k has |k_r| rk_r <= 2, as with l2norm or normalized inputs;
+        # then bf16's right operands stay <= 2^111 and the left ones >= |k_rd rk_r| 2^-110, so
+        # a safe gate's widest sub-chunk, 15 x 5 / ln 2 = 108, always takes the tensor cores)
+        self.diag_spread = 110.0 if dtype == cutlass.BFloat16 else 8.0
+        self.diag_spread_unbounded = 96.0 if dtype == cutlass.BFloat16 else 8.0
 
     @staticmethod
     def can_implement(dtype, g_dtype, head_k, config: KdaIntraAdaConfig) -> bool:
@@ -94,12 +103,12 @@ class KdaIntraAda:
         @cute.struct
         class SharedStorage:
             r1: cute.struct.Align[cute.struct.MemRange[dt, 2 * cute.cosize(s16)], 1024]
-            r2: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(s32)], 1024]
+            r2: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, _C * self.K], 1024]
             r3: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(s32)], 1024]
             r4: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(s16)], 1024]
             r5: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(s32)], 1024]
             sx: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 16 * 48], 16]
-            srow: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 3 * _C], 16]
+            srow: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * _C], 16]
             sflag: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 4], 16]
 
         copy_g2s = row_copy("g2s", dt, _NT)
@@ -149,7 +158,7 @@ class KdaIntraAda:
         sK = cute.make_tensor(r1.iterator + cute.cosize(s16), s16)
         sAbf = cute.make_tensor(r1.iterator, s16)                  # after: A's 16-bit copy
         sOut = cute.make_tensor(r1.iterator + cute.cosize(s16), s16)   # w / u staging
-        sG = st.r2.get_tensor(s32)                                 # G log2 domain, one slab
+        sG = st.r2.get_tensor(cute.make_layout((_C, K), stride=(K, 1)))   # G, log2 domain
         r3 = st.r3.get_tensor(s32)
         sLk = cute.make_tensor(cute.recast_ptr(r3.iterator, dtype=dt), s16)
         sLq = cute.make_tensor(cute.recast_ptr(r3.iterator, dtype=dt) + cute.cosize(s16), s16)
@@ -163,11 +172,14 @@ class KdaIntraAda:
         sDk_lo = cute.make_tensor(cute.recast_ptr(sAkk.iterator, dtype=dt), s16)
         sDq_lo = cute.make_tensor(cute.recast_ptr(sAkk.iterator, dtype=dt) + cute.cosize(s16), s16)
         sX = st.sx.get_tensor(cute.make_layout((16, 48), stride=(48, 1)))
-        srow = st.srow.get_tensor(cute.make_layout((_C, 3), stride=(1, _C)))  # rq, rk, beta
-        # per K slab: 1 when some diagonal block's decay spread is too wide for the tensor cores
+        # rq, rk, beta per row; column 3: the cumsum's half-chunk totals
+        srow = st.srow.get_tensor(cute.make_layout((_C, 4), stride=(1, _C)))
+        # [0], [1] per K slab: 1 when some diagonal block's decay spread is too wide for the
+        # tensor cores; [2]: 1 when some row of k is not bounded (|k_r| rk_r > 2)
         sflag = st.sflag.get_tensor(cute.make_layout(4))
         if tidx < 4:
             sflag[tidx] = 0
+        cute.arch.sync_threads()
 
         gq = cute.domain_offset((row0, 0), q[None, h, None])
         gk = cute.domain_offset((row0, 0), k[None, h, None])
@@ -178,7 +190,7 @@ class KdaIntraAda:
         tc = thr16.partition_S(cT)                                 # (8, 4, 1) coordinates
 
         # ---- row factors: l2norm (and the scale), beta
-        self._row_factors(q, k, beta, srow, row0, n, h, scale, l2norm, beta_sigmoid, lane, wid)
+        self._row_factors(q, k, beta, srow, sflag, row0, n, h, scale, l2norm, beta_sigmoid, lane, wid)
 
         # ---- pass 1 over K slabs: G, the score blocks
         thr_s = mma_s.get_slice(tidx)
@@ -212,31 +224,27 @@ class KdaIntraAda:
             pr[m] = 16 * wid + rr
             ps[m] = 16 * wid + p - (rr * (rr + 1)) // 2
 
-        for sl in cutlass.range_constexpr(NS):
-            tq = thr_g2s.partition_S(cute.local_tile(gq, (_C, _SL), (0, sl)))
-            tk = thr_g2s.partition_S(cute.local_tile(gk, (_C, _SL), (0, sl)))
-            dq = thr_g2s.partition_D(sQ)
-            dk = thr_g2s.partition_D(sK)
-            for i in cutlass.range_constexpr(cute.size(dq, mode=[1])):
-                if tc[0, i, 0][0] < n:
-                    cute.copy(copy_g2s, tq[None, i, 0], dq[None, i, 0])
-                    cute.copy(copy_g2s, tk[None, i, 0], dk[None, i, 0])
-                else:
-                    dq[None, i, 0].fill(0)
-                    dk[None, i, 0].fill(0)
-            cute.arch.cp_async_commit_group()
-            self._cumsum(g, a_log, dt_bias, eg, sG, sflag, row0, n, c, h, sl, gate_mode,
-                         lower_bound, tidx, True)
+        # ---- G of every column (the first slab's q / k copies in flight meanwhile)
+        self._load_qk(copy_g2s, thr_g2s, gq, gk, sQ, sK, tc, n, 0)
+        self._gate_cumsum(g, a_log, dt_bias, eg, sG, srow, sflag, row0, n, c, h, gate_mode,
+                          lower_bound, tidx, thr32, tc)
+
+        # ---- pass 1 over K slabs: the score blocks (a loop, not unrolled: one copy of its
+        # code keeps the instruction cache warm)
+        for sl in cutlass.range(NS, unroll=1):
+            if sl > 0:
+                self._load_qk(copy_g2s, thr_g2s, gq, gk, sQ, sK, tc, n, sl)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
+            sGs = cute.local_tile(sG, (_C, _SL), (0, sl))
 
             # right operands, rows of sub-chunks 0..2: k_s exp(G_b - G_s), b = 16 (j + 1)
             tR = thr16.partition_D(sR)
             for i in cutlass.range_constexpr(3):
                 r = tc[0, i, 0][0]
                 kv = self._vec(thr16, sK, i).load().to(cutlass.Float32)
-                gr = self._vec(thr32, sG, i).load()
-                gb = self._row_vec(sG, 16 * (i + 1), tc[0, i, 0][1])
+                gr = self._vec(thr32, sGs, i).load()
+                gb = self._row_vec(sGs, 16 * (i + 1), tc[0, i, 0][1])
                 x = kv * srow[r, 1] * cute.math.exp2(gb - gr, fastmath=True)
                 _flat8(tR[None, i, 0]).store(x.to(dt))
             for j in cutlass.range_constexpr(3):
@@ -246,8 +254,8 @@ class KdaIntraAda:
                 for i in cutlass.range_constexpr(4):
                     if i > j:
                         r = tc[0, i, 0][0]
-                        gr = self._vec(thr32, sG, i).load()
-                        gb = self._row_vec(sG, 16 * (j + 1), tc[0, i, 0][1])
+                        gr = self._vec(thr32, sGs, i).load()
+                        gb = self._row_vec(sGs, 16 * (j + 1), tc[0, i, 0][1])
                         e = cute.math.exp2(gr - gb, fastmath=True)
                         kv = self._vec(thr16, sK, i).load().to(cutlass.Float32)
                         qv = self._vec(thr16, sQ, i).load().to(cutlass.Float32)
@@ -274,8 +282,8 @@ class KdaIntraAda:
                 tDq_lo = thr16.partition_D(sDq_lo)
                 for i in cutlass.range_constexpr(4):
                     r = tc[0, i, 0][0]
-                    gr = self._vec(thr32, sG, i).load()
-                    gf = self._row_vec(sG, 16 * i, tc[0, i, 0][1])
+                    gr = self._vec(thr32, sGs, i).load()
+                    gf = self._row_vec(sGs, 16 * i, tc[0, i, 0][1])
                     kv = self._vec(thr16, sK, i).load().to(cutlass.Float32) * srow[r, 1]
                     qv = self._vec(thr16, sQ, i).load().to(cutlass.Float32) * srow[r, 0]
                     e = cute.math.exp2(gr - gf, fastmath=True)
@@ -303,8 +311,8 @@ class KdaIntraAda:
                 # the right operand's low part
                 for i in cutlass.range_constexpr(4):
                     r = tc[0, i, 0][0]
-                    gr = self._vec(thr32, sG, i).load()
-                    gf = self._row_vec(sG, 16 * i, tc[0, i, 0][1])
+                    gr = self._vec(thr32, sGs, i).load()
+                    gf = self._row_vec(sGs, 16 * i, tc[0, i, 0][1])
                     kv = self._vec(thr16, sK, i).load().to(cutlass.Float32) * srow[r, 1]
                     xe = kv * cute.math.exp2(gf - gr, fastmath=True)
                     _flat8(tE[None, i, 0]).store((xe - xe.to(dt).to(cutlass.Float32)).to(dt))
@@ -320,7 +328,7 @@ class KdaIntraAda:
                         if lane + 32 * m < 136:
                             rr = pr[m]
                             ss = ps[m]
-                            t = cute.math.exp2(sG[rr, col] - sG[ss, col], fastmath=True)
+                            t = cute.math.exp2(sGs[rr, col] - sGs[ss, col], fastmath=True)
                             ks = sK[ss, col].to(cutlass.Float32) * t
                             dkk[m] = dkk[m] + sK[rr, col].to(cutlass.Float32) * ks
                             dqk[m] = dqk[m] + sQ[rr, col].to(cutlass.Float32) * ks
@@ -418,19 +426,15 @@ class KdaIntraAda:
             _flat8(tAb[None, i, 0]).store(_flat8(thr32.partition_S(sT)[None, i, 0]).load().to(dt))
         cute.arch.sync_threads()
 
-        # ---- pass 2 over K slabs (the last one's G is still in shared memory): kg, qg, w
+        # ---- pass 2 over K slabs: kg, qg, w
         thr_w = mma_w.get_slice(tidx)
         s2r_wa = cute.make_tiled_copy_A(ldsm(dt, False), mma_w)
         s2r_wb = cute.make_tiled_copy_B(ldsm(dt, True), mma_w)
         r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt), mma_w)
         thr_r2s = r2s.get_slice(tidx)
         tRhs = thr16.partition_D(sRhs)
-        for sl_ in cutlass.range_constexpr(NS):
-            sl = NS - 1 - sl_
-            if sl_ > 0:
-                self._cumsum(g, a_log, dt_bias, eg, sG, sflag, row0, n, c, h, sl, gate_mode,
-                             lower_bound, tidx, False)
-                cute.arch.sync_threads()
+        for sl in cutlass.range(NS, unroll=1):
+            sGs = cute.local_tile(sG, (_C, _SL), (0, sl))
             tkg = thr16.partition_D(cute.local_tile(kg[c, h, None, None], (_C, _SL), (0, sl)))
             tqg = thr16.partition_D(cute.local_tile(qg[c, h, None, None], (_C, _SL), (0, sl)))
             for i in cutlass.range_constexpr(4):
@@ -438,8 +442,8 @@ class KdaIntraAda:
                 # rows past the end read the last row again; their factors are 0
                 qv = self._row8(q, row0, n, r, h, sl * _SL + tc[0, i, 0][1])
                 kv = self._row8(k, row0, n, r, h, sl * _SL + tc[0, i, 0][1])
-                gr = self._vec(thr32, sG, i).load()
-                gl = self._row_vec(sG, _C - 1, tc[0, i, 0][1])
+                gr = self._vec(thr32, sGs, i).load()
+                gl = self._row_vec(sGs, _C - 1, tc[0, i, 0][1])
                 eg_ = cute.math.exp2(gr, fastmath=True)
                 kf = _flat8(kv).load().to(cutlass.Float32) * srow[r, 1]
                 okg = cute.make_rmem_tensor_like(qv, dt)
@@ -466,39 +470,38 @@ class KdaIntraAda:
     # ------------------------------------------------------------------ helpers
     @cute.jit
     def _row_factors(self, q: cute.Tensor, k: cute.Tensor, beta: cute.Tensor, srow: cute.Tensor,
-                     row0: cutlass.Int32, n: cutlass.Int32, h: cutlass.Int32,
+                     sflag: cute.Tensor, row0: cutlass.Int32, n: cutlass.Int32, h: cutlass.Int32,
                      scale: cutlass.Float32, l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
                      lane: cutlass.Int32, wid: cutlass.Int32):
-        """Warp `wid` owns rows 16 wid .. + 15: rq = scale / |q_r|, rk = 1 / |k_r| (l2norm; else
-        scale and 1), beta (sigmoid when asked); all 0 past the sequence's end."""
-        E = self.K // 32
-        for i0 in cutlass.range_constexpr(0, 16, 8):
-            # every load of 8 rows issued before the first reduction (rows past the end read
-            # the last row again and get factor 0): one memory latency per 8 rows
-            xq = [None] * 8
-            xk = [None] * 8
-            for i in cutlass.range_constexpr(8):
-                rr = cutlass.min(16 * wid + i0 + i, n - 1)
-                xq[i] = cute.local_tile(q[row0 + rr, h, None], (E,), (lane,)).load().to(cutlass.Float32)
-                xk[i] = cute.local_tile(k[row0 + rr, h, None], (E,), (lane,)).load().to(cutlass.Float32)
-            for i in cutlass.range_constexpr(8):
-                r = 16 * wid + i0 + i
-                sq = (xq[i] * xq[i]).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
-                sk = (xk[i] * xk[i]).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
-                for off in cutlass.range_constexpr(5):
-                    sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=16 >> off)
-                    sk = sk + cute.arch.shuffle_sync_bfly(sk, offset=16 >> off)
-                if lane == 0:
-                    rq = cutlass.Float32(0.0)
-                    rk = cutlass.Float32(0.0)
-                    if r < n:
-                        rq = scale
-                        rk = cutlass.Float32(1.0)
-                        if l2norm != 0:
-                            rq = scale * cute.math.rsqrt(sq + 1e-6)
-                            rk = cute.math.rsqrt(sk + 1e-6)
-                    srow[r, 0] = rq
-                    srow[r, 1] = rk
+        """Two threads per row, half of K each: rq = scale / |q_r|, rk = 1 / |k_r| (l2norm;
+        else scale and 1), beta (sigmoid when asked); all 0 past the sequence's end. Flags k
+        as unbounded when some row has |k_r| rk_r > 2 (the diagonal blocks' range check)."""
+        E = self.K // 2
+        tidx = wid * 32 + lane
+        r = tidx // 2
+        part = tidx % 2
+        # rows past the end read the last row again and get factor 0 (no branch before the
+        # loads: a thread's 2 E / 8 16-byte loads are all in flight at once)
+        rr = cutlass.min(r, n - 1)
+        xq = cute.local_tile(q[row0 + rr, h, None], (E,), (part,)).load().to(cutlass.Float32)
+        xk = cute.local_tile(k[row0 + rr, h, None], (E,), (part,)).load().to(cutlass.Float32)
+        sq = (xq * xq).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+        sk = (xk * xk).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+        sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=1)
+        sk = sk + cute.arch.shuffle_sync_bfly(sk, offset=1)
+        if part == 0:
+            rq = cutlass.Float32(0.0)
+            rk = cutlass.Float32(0.0)
+            if r < n:
+                rq = scale
+                rk = cutlass.Float32(1.0)
+                if l2norm != 0:
+                    rq = scale * cute.math.rsqrt(sq + 1e-6)
+                    rk = cute.math.rsqrt(sk + 1e-6)
+                if sk * rk * rk > 4.0:
+                    sflag[2] = 1
+            srow[r, 0] = rq
+            srow[r, 1] = rk
         # beta: one row per thread
         if wid * 32 + lane < _C:
             r = wid * 32 + lane
@@ -511,52 +514,97 @@ class KdaIntraAda:
         cute.arch.sync_threads()
 
     @cute.jit
-    def _cumsum(self, g: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor, eg: cute.Tensor,
-                sG: cute.Tensor, sflag: cute.Tensor, row0: cutlass.Int32, n: cutlass.Int32, c: cutlass.Int32,
-                h: cutlass.Int32, sl: cutlass.Constexpr, gate_mode: cutlass.Int32,
-                lower_bound: cutlass.Float32, tidx: cutlass.Int32, write_eg: cutlass.Constexpr):
-        """Threads 0..63: column sl * 64 + tidx of G (log2 domain) over the chunk's rows; the
-        gate applied first (gate_mode 1: -exp(A_log) softplus(g + dt_bias); 2: lower_bound *
-        sigmoid(exp(A_log) (g + dt_bias))); rows past the end add 0. Writes exp(Gamma)."""
-        if tidx < _SL:
-            col = sl * _SL + tidx
-            ea = cutlass.Float32(1.0)
-            dtb = cutlass.Float32(0.0)
-            if gate_mode != 0:
-                ea = cute.math.exp(a_log[h])
-                dtb = dt_bias[h, col]
-            # all 64 loads first (rows past the end read the last row, then count as 0), so
-            # the column costs one memory latency, not 64
-            xs = cute.make_rmem_tensor((_C,), cutlass.Float32)
-            for r in cutlass.range_constexpr(_C):
-                xs[r] = g[row0 + cutlass.min(r, n - 1), h, col].to(cutlass.Float32)
+    def _load_qk(self, copy_g2s: cute.TiledCopy, thr_g2s: cute.TiledCopy, gq: cute.Tensor,
+                 gk: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, tc: cute.Tensor,
+                 n: cutlass.Int32, sl: cutlass.Int32):
+        """cp.async of K slab sl of the chunk's q and k rows (zeros past the end), committed."""
+        tq = thr_g2s.partition_S(cute.local_tile(gq, (_C, _SL), (0, sl)))
+        tk = thr_g2s.partition_S(cute.local_tile(gk, (_C, _SL), (0, sl)))
+        dq = thr_g2s.partition_D(sQ)
+        dk = thr_g2s.partition_D(sK)
+        for i in cutlass.range_constexpr(cute.size(dq, mode=[1])):
+            if tc[0, i, 0][0] < n:
+                cute.copy(copy_g2s, tq[None, i, 0], dq[None, i, 0])
+                cute.copy(copy_g2s, tk[None, i, 0], dk[None, i, 0])
+            else:
+                dq[None, i, 0].fill(0)
+                dk[None, i, 0].fill(0)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _gate_cumsum(self, g: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor,
+                     eg: cute.Tensor, sG: cute.Tensor, srow: cute.Tensor, sflag: cute.Tensor,
+                     row0: cutlass.Int32, n: cutlass.Int32, c: cutlass.Int32, h: cutlass.Int32,
+                     gate_mode: cutlass.Int32, lower_bound: cutlass.Float32,
+                     tidx: cutlass.Int32, thr32: cute.TiledCopy, tc: cute.Tensor):
+        """G (log2 domain) of all K columns over the chunk's rows into sG (64, K), on all
+        threads: g's rows land in sG as 16-byte vectors; then 128 / K threads per column scan
+        it, the gate applied on the way (gate_mode 1: -exp(A_log) softplus(g + dt_bias); 2:
+        lower_bound sigmoid(exp(A_log) (g + dt_bias)); rows past the end add 0). Flags a K
+        slab whose sub-chunk spread is too wide for the tensor cores; writes exp(Gamma)."""
+        K, NS = self.K, self.NS
+        # every load first (rows past the end read the last row; the scan skips them)
+        xs = [self._row8(g, row0, n, tc[0, i, 0][0], h, sl * _SL + tc[0, i, 0][1])
+              for sl in range(NS) for i in range(4)]
+        for sl in cutlass.range_constexpr(NS):
+            tG = thr32.partition_D(cute.local_tile(sG, (_C, _SL), (0, sl)))
+            for i in cutlass.range_constexpr(4):
+                _flat8(tG[None, i, 0]).store(_flat8(xs[sl * 4 + i]).load().to(cutlass.Float32))
+        HP = _NT // K              # threads per column
+        RP = _C // HP              # rows per thread
+        col = tidx % K
+        part = tidx // K
+        ea = cutlass.Float32(1.0)
+        dtb = cutlass.Float32(0.0)
+        if gate_mode != 0:
+            ea = cute.math.exp(a_log[h])
+            dtb = dt_bias[h, col]
+        thr = cutlass.Float32(self.diag_spread)
+        if sflag[2] != 0:
+            thr = cutlass.Float32(self.diag_spread_unbounded)
+        cute.arch.sync_threads()
+        acc = cutlass.Float32(0.0)
+        wide = cutlass.Int32(0)
+        for b in cutlass.range(RP // 16, unroll=1):
+            r0 = part * RP + b * 16
+            xv = cute.make_rmem_tensor((16,), cutlass.Float32)
+            for e in cutlass.range_constexpr(16):
+                xv[e] = sG[r0 + e, col]
             if gate_mode == 1:
-                for r in cutlass.range_constexpr(_C):
-                    y = xs[r] + dtb
-                    sp = cute.math.log1p(cute.math.exp(cute.arch.fmin(y, 20.0), fastmath=True))
-                    if y > 20.0:
-                        sp = y
-                    xs[r] = -ea * sp
+                for e in cutlass.range_constexpr(16):
+                    y = xv[e] + dtb
+                    # softplus(y) = max(y, 0) + log(1 + exp(-|y|)), no overflow for any y
+                    sp = cute.arch.fmax(y, 0.0) + _LN2 * cute.math.log2(
+                        1.0 + cute.math.exp2(cute.arch.fmin(y, -y) * _LOG2E, fastmath=True),
+                        fastmath=True)
+                    xv[e] = -ea * sp
             elif gate_mode == 2:
-                for r in cutlass.range_constexpr(_C):
-                    xs[r] = lower_bound * cute.arch.rcp_approx(
-                        1.0 + cute.math.exp(-ea * (xs[r] + dtb), fastmath=True))
-            acc = cutlass.Float32(0.0)
+                for e in cutlass.range_constexpr(16):
+                    xv[e] = lower_bound * cute.arch.rcp_approx(
+                        1.0 + cute.math.exp(-ea * (xv[e] + dtb), fastmath=True))
             top = cutlass.Float32(0.0)
-            wide = cutlass.Int32(0)
-            for r in cutlass.range_constexpr(_C):
-                if r < n:
-                    acc = acc + xs[r] * _LOG2E
-                sG[r, tidx] = acc
-                if r % 16 == 0:
+            for e in cutlass.range_constexpr(16):
+                if r0 + e < n:
+                    acc = acc + xv[e] * _LOG2E
+                sG[r0 + e, col] = acc
+                if e == 0:
                     top = acc
-                if r % 16 == 15:
-                    if top - acc > self.diag_spread:
-                        wide = 1
-            if wide != 0:
-                sflag[sl] = 1
-            if cutlass.const_expr(write_eg):
-                eg[c, h, col] = cute.math.exp2(acc)
+            if top - acc > thr:
+                wide = 1
+        if wide != 0:
+            sflag[col // _SL] = 1
+        if cutlass.const_expr(HP == 2):
+            if part == 0:
+                srow[col, 3] = acc
+            cute.arch.sync_threads()
+            if part == 1:
+                base = srow[col, 3]
+                for r in cutlass.range(RP, _C, unroll=8):
+                    sG[r, col] = sG[r, col] + base
+                eg[c, h, col] = cute.math.exp2(acc + base)
+        else:
+            eg[c, h, col] = cute.math.exp2(acc)
+        cute.arch.sync_threads()
 
     @staticmethod
     def _row8(x, row0, n, r, h, col0):
