@@ -237,6 +237,22 @@ class KdaIntraAda:
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
             sGs = cute.local_tile(sG, (_C, _SL), (0, sl))
+            # kg = k rk exp(Gamma - G), qg = q rq exp(G) of this slab from the staged rows (the
+            # zero rows past the end give zeros)
+            tkg = thr16.partition_D(cute.local_tile(kg[c, h, None, None], (_C, _SL), (0, sl)))
+            tqg = thr16.partition_D(cute.local_tile(qg[c, h, None, None], (_C, _SL), (0, sl)))
+            for i in cutlass.range_constexpr(4):
+                r = tc[0, i, 0][0]
+                gr = self._vec(thr32, sGs, i).load()
+                gl = self._row_vec(sGs, _C - 1, tc[0, i, 0][1])
+                kv = self._vec(thr16, sK, i).load().to(cutlass.Float32) * srow[r, 1]
+                qv = self._vec(thr16, sQ, i).load().to(cutlass.Float32) * srow[r, 0]
+                okg = cute.make_rmem_tensor((8,), dt)
+                oqg = cute.make_rmem_tensor((8,), dt)
+                okg.store((kv * cute.math.exp2(gl - gr, fastmath=True)).to(dt))
+                oqg.store((qv * cute.math.exp2(gr, fastmath=True)).to(dt))
+                cute.copy(copy_v16, okg, tkg[None, i, 0])
+                cute.copy(copy_v16, oqg, tqg[None, i, 0])
 
             # right operands, rows of sub-chunks 0..2: k_s exp(G_b - G_s), b = 16 (j + 1)
             tR = thr16.partition_D(sR)
@@ -334,6 +350,16 @@ class KdaIntraAda:
                             dqk[m] = dqk[m] + sQ[rr, col].to(cutlass.Float32) * ks
             cute.arch.sync_threads()
 
+        # the rows of k and v behind w's and u's right-hand sides, loaded now so that their
+        # latency hides behind the scores' epilogue and the inverse (rows past the end read
+        # the last row again; beta is 0 there)
+        NV = v.shape[2] // _SL
+        kpre = [self._row8(k, row0, n, tc[0, i, 0][0], h, sl * _SL + tc[0, i, 0][1])
+                for sl in range(NS) for i in range(4)]
+        vpre = [self._row8(v, row0, n, tc[0, i, 0][0], h,
+                           cutlass.min(vb, NV - 1) * _SL + tc[0, i, 0][1])
+                for vb in range(2) for i in range(4)]
+
         # ---- scores into shared memory: Akk scaled by beta (the inverse's L), Aqk
         z32 = cute.make_rmem_tensor((8,), cutlass.Float32)
         z32.fill(0.0)
@@ -402,23 +428,9 @@ class KdaIntraAda:
         # block rows: T_i,<i = -T_ii (L_i,<i T_<i,<i)  (T's upper blocks are zero)
         for ib in cutlass.range_constexpr(1, 4):
             wdt = 16 * ib
-            for e0 in cutlass.range_constexpr(0, 16 * wdt, _NT):
-                e = e0 + tidx
-                rr = e // wdt
-                cc = e % wdt
-                acc = cutlass.Float32(0.0)
-                for m in cutlass.range_constexpr(wdt):
-                    acc = acc + sAkk[wdt + rr, m] * sT[m, cc]
-                sX[rr, cc] = acc
+            self._block_product(sAkk, wdt, 0, sT, wdt, wdt, sX, 0, 1.0, tidx)
             cute.arch.sync_threads()
-            for e0 in cutlass.range_constexpr(0, 16 * wdt, _NT):
-                e = e0 + tidx
-                rr = e // wdt
-                cc = e % wdt
-                acc = cutlass.Float32(0.0)
-                for m in cutlass.range_constexpr(16):
-                    acc = acc - sT[wdt + rr, wdt + m] * sX[m, cc]
-                sT[wdt + rr, cc] = acc
+            self._block_product(sT, wdt, wdt, sX, 16, wdt, sT, wdt, -1.0, tidx)
             cute.arch.sync_threads()
         # A's 16-bit copy: the A operand of w and u
         tAb = thr16.partition_D(sAbf)
@@ -426,46 +438,32 @@ class KdaIntraAda:
             _flat8(tAb[None, i, 0]).store(_flat8(thr32.partition_S(sT)[None, i, 0]).load().to(dt))
         cute.arch.sync_threads()
 
-        # ---- pass 2 over K slabs: kg, qg, w
+        # ---- w = A (beta k rk exp G), one K slab at a time; then u = A (beta v)
         thr_w = mma_w.get_slice(tidx)
         s2r_wa = cute.make_tiled_copy_A(ldsm(dt, False), mma_w)
         s2r_wb = cute.make_tiled_copy_B(ldsm(dt, True), mma_w)
         r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt), mma_w)
         thr_r2s = r2s.get_slice(tidx)
         tRhs = thr16.partition_D(sRhs)
-        for sl in cutlass.range(NS, unroll=1):
+        for sl in cutlass.range_constexpr(NS):
             sGs = cute.local_tile(sG, (_C, _SL), (0, sl))
-            tkg = thr16.partition_D(cute.local_tile(kg[c, h, None, None], (_C, _SL), (0, sl)))
-            tqg = thr16.partition_D(cute.local_tile(qg[c, h, None, None], (_C, _SL), (0, sl)))
             for i in cutlass.range_constexpr(4):
                 r = tc[0, i, 0][0]
-                # rows past the end read the last row again; their factors are 0
-                qv = self._row8(q, row0, n, r, h, sl * _SL + tc[0, i, 0][1])
-                kv = self._row8(k, row0, n, r, h, sl * _SL + tc[0, i, 0][1])
                 gr = self._vec(thr32, sGs, i).load()
-                gl = self._row_vec(sGs, _C - 1, tc[0, i, 0][1])
-                eg_ = cute.math.exp2(gr, fastmath=True)
-                kf = _flat8(kv).load().to(cutlass.Float32) * srow[r, 1]
-                okg = cute.make_rmem_tensor_like(qv, dt)
-                oqg = cute.make_rmem_tensor_like(qv, dt)
-                _flat8(okg).store((kf * cute.math.exp2(gl - gr, fastmath=True)).to(dt))
-                _flat8(oqg).store((_flat8(qv).load().to(cutlass.Float32) * srow[r, 0] * eg_).to(dt))
-                cute.copy(copy_v16, okg, tkg[None, i, 0])
-                cute.copy(copy_v16, oqg, tqg[None, i, 0])
-                _flat8(tRhs[None, i, 0]).store((kf * srow[r, 2] * eg_).to(dt))
+                kf = _flat8(kpre[sl * 4 + i]).load().to(cutlass.Float32) * (srow[r, 1] * srow[r, 2])
+                _flat8(tRhs[None, i, 0]).store((kf * cute.math.exp2(gr, fastmath=True)).to(dt))
             cute.arch.sync_threads()
             self._wu_product(mma_w, thr_w, s2r_wa, s2r_wb, r2s, thr_r2s, tidx, sAbf, sRhsT, sOut,
                              thr16, copy_v16, w[c, h, None, None], sl)
-
-        # ---- u = A (beta v), one 64-column block of V at a time
-        for vb in range(v.shape[2] // _SL):
-            for i in cutlass.range_constexpr(4):
-                r = tc[0, i, 0][0]
-                vv = self._row8(v, row0, n, r, h, vb * _SL + tc[0, i, 0][1])   # beta 0 past the end
-                _flat8(tRhs[None, i, 0]).store((_flat8(vv).load().to(cutlass.Float32) * srow[r, 2]).to(dt))
-            cute.arch.sync_threads()
-            self._wu_product(mma_w, thr_w, s2r_wa, s2r_wb, r2s, thr_r2s, tidx, sAbf, sRhsT, sOut,
-                             thr16, copy_v16, u[c, h, None, None], vb)
+        for vb in cutlass.range_constexpr(2):
+            if vb < NV:
+                self._u_block(vpre, vb, tRhs, srow, tc, mma_w, thr_w, s2r_wa, s2r_wb, r2s,
+                              thr_r2s, tidx, sAbf, sRhsT, sOut, thr16, copy_v16, u[c, h, None, None], vb)
+        for vb in range(2, NV):   # V wider than 128 (not exported today): loads in the loop
+            vv = [self._row8(v, row0, n, tc[0, i, 0][0], h, vb * _SL + tc[0, i, 0][1])
+                  for i in range(4)]
+            self._u_block(vv, 0, tRhs, srow, tc, mma_w, thr_w, s2r_wa, s2r_wb, r2s, thr_r2s,
+                          tidx, sAbf, sRhsT, sOut, thr16, copy_v16, u[c, h, None, None], vb)
 
     # ------------------------------------------------------------------ helpers
     @cute.jit
@@ -605,6 +603,53 @@ class KdaIntraAda:
         else:
             eg[c, h, col] = cute.math.exp2(acc)
         cute.arch.sync_threads()
+
+    @cute.jit
+    def _u_block(self, vrows: list, vb: cutlass.Constexpr, tRhs: cute.Tensor, srow: cute.Tensor,
+                 tc: cute.Tensor, mma_w: cute.TiledMma, thr_w: cute.TiledMma,
+                 s2r_wa: cute.TiledCopy, s2r_wb: cute.TiledCopy, r2s: cute.TiledCopy,
+                 thr_r2s: cute.TiledCopy, tidx: cutlass.Int32, sAbf: cute.Tensor,
+                 sRhsT: cute.Tensor, sOut: cute.Tensor, thr16: cute.TiledCopy,
+                 copy_v16: cute.TiledCopy, dst: cute.Tensor, col_block: cutlass.Int32):
+        """u[:, 64 col_block ..] = A (beta v) from a thread's 4 row vectors vrows[4 vb ..]."""
+        for i in cutlass.range_constexpr(4):
+            r = tc[0, i, 0][0]
+            vv = _flat8(vrows[vb * 4 + i]).load().to(cutlass.Float32)
+            _flat8(tRhs[None, i, 0]).store((vv * srow[r, 2]).to(self.dtype))
+        cute.arch.sync_threads()
+        self._wu_product(mma_w, thr_w, s2r_wa, s2r_wb, r2s, thr_r2s, tidx, sAbf, sRhsT, sOut,
+                         thr16, copy_v16, dst, col_block)
+
+    @cute.jit
+    def _block_product(self, sA: cute.Tensor, a_r0: cutlass.Constexpr, a_c0: cutlass.Constexpr,
+                       sB: cute.Tensor, depth: cutlass.Constexpr, width: cutlass.Constexpr,
+                       sD: cute.Tensor, d_r0: cutlass.Constexpr, sign: cutlass.Constexpr,
+                       tidx: cutlass.Int32):
+        """sD[d_r0 + r, c] = sign sum_{m < depth} sA[a_r0 + r, a_c0 + m] sB[m, c] for the 16
+        rows r and `width` columns c, in fp32: a thread owns 2 rows x 4 columns and reads
+        4-wide vectors (2 + 4 loads per 32 FMAs instead of 2 loads per FMA)."""
+        ncg = width // 4
+        if tidx < 2 * width:
+            cg = tidx % ncg
+            r = 2 * (tidx // ncg)
+            acc0 = cute.make_rmem_tensor((4,), cutlass.Float32)
+            acc1 = cute.make_rmem_tensor((4,), cutlass.Float32)
+            acc0.fill(0.0)
+            acc1.fill(0.0)
+            for m0 in cutlass.range_constexpr(0, depth, 4):
+                a0 = cute.make_rmem_tensor((4,), cutlass.Float32)
+                a1 = cute.make_rmem_tensor((4,), cutlass.Float32)
+                cute.autovec_copy(cute.local_tile(sA[a_r0 + r, None], (4,), ((a_c0 + m0) // 4,)), a0)
+                cute.autovec_copy(cute.local_tile(sA[a_r0 + r + 1, None], (4,), ((a_c0 + m0) // 4,)), a1)
+                for mm in cutlass.range_constexpr(4):
+                    b = cute.local_tile(sB[m0 + mm, None], (4,), (cg,)).load()
+                    acc0.store(acc0.load() + a0[mm] * b)
+                    acc1.store(acc1.load() + a1[mm] * b)
+            if cutlass.const_expr(sign < 0):
+                acc0.store(-acc0.load())
+                acc1.store(-acc1.load())
+            cute.autovec_copy(acc0, cute.local_tile(sD[d_r0 + r, None], (4,), (cg,)))
+            cute.autovec_copy(acc1, cute.local_tile(sD[d_r0 + r + 1, None], (4,), (cg,)))
 
     @staticmethod
     def _row8(x, row0, n, r, h, col0):
