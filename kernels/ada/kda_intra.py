@@ -25,7 +25,7 @@ column scan with the gate applied on the way), and kept in shared memory in the 
 (exp(x) = exp2(x log2 e)). q and k are processed in slabs of 64 columns (the score sums add
 up over slabs) in a loop that is not unrolled: one copy of its code, so the instruction
 cache stays warm (the straight-line build spent a third of its time on instruction fetch).
-Shared memory ~93 KB for K = 128.
+Shared memory 98 KB for K = 128 (the Ada limit is 99).
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ class KdaIntraAda:
             r3: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(s32)], 1024]
             r4: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(s16)], 1024]
             r5: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(s32)], 1024]
-            sx: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 16 * 48], 16]
+            r6: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(s16)], 1024]
             srow: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * _C], 16]
             sflag: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 4], 16]
 
@@ -171,7 +171,10 @@ class KdaIntraAda:
         # pass 1 only: the low 16-bit parts of the diagonal blocks' left operands
         sDk_lo = cute.make_tensor(cute.recast_ptr(sAkk.iterator, dtype=dt), s16)
         sDq_lo = cute.make_tensor(cute.recast_ptr(sAkk.iterator, dtype=dt) + cute.cosize(s16), s16)
-        sX = st.sx.get_tensor(cute.make_layout((16, 48), stride=(48, 1)))
+        # the inverse's block-row products (r4 is free between pass 1 and w)
+        sX = cute.make_tensor(cute.recast_ptr(st.r4.get_tensor(s16).iterator, dtype=cutlass.Float32),
+                              cute.make_layout((16, 48), stride=(48, 1)))
+        sE_lo = st.r6.get_tensor(s16)                             # diagonal right operands, low
         # rq, rk, beta per row; column 3: the cumsum's half-chunk totals
         srow = st.srow.get_tensor(cute.make_layout((_C, 4), stride=(1, _C)))
         # [0], [1] per K slab: 1 when some diagonal block's decay spread is too wide for the
@@ -189,6 +192,12 @@ class KdaIntraAda:
         thr32 = copy_v32.get_slice(tidx)
         tc = thr16.partition_S(cT)                                 # (8, 4, 1) coordinates
 
+        # ---- the chunk's first reads all in flight together: the first K slab of q and k
+        # (cp.async), g's rows (registers), then the rows behind the row factors
+        self._load_qk(copy_g2s, thr_g2s, gq, gk, sQ, sK, tc, n, 0)
+        # (rows past the end read the last row again; the scan skips them)
+        grows = [self._row8(g, row0, n, tc[0, i, 0][0], h, sl * _SL + tc[0, i, 0][1])
+                 for sl in range(NS) for i in range(4)]
         # ---- row factors: l2norm (and the scale), beta
         self._row_factors(q, k, beta, srow, sflag, row0, n, h, scale, l2norm, beta_sigmoid, lane, wid)
 
@@ -225,9 +234,8 @@ class KdaIntraAda:
             ps[m] = 16 * wid + p - (rr * (rr + 1)) // 2
 
         # ---- G of every column (the first slab's q / k copies in flight meanwhile)
-        self._load_qk(copy_g2s, thr_g2s, gq, gk, sQ, sK, tc, n, 0)
-        self._gate_cumsum(g, a_log, dt_bias, eg, sG, srow, sflag, row0, n, c, h, gate_mode,
-                          lower_bound, tidx, thr32, tc)
+        self._gate_cumsum(grows, a_log, dt_bias, eg, sG, srow, sflag, n, c, h, gate_mode,
+                          lower_bound, tidx, thr32)
 
         # ---- pass 1 over K slabs: the score blocks (a loop, not unrolled: one copy of its
         # code keeps the instruction cache warm)
@@ -292,6 +300,7 @@ class KdaIntraAda:
                 # each operand as a 16-bit pair hi + lo (hi hi' + hi lo' + lo hi': a short
                 # sequence's few diagonal terms are not averaged by anything else)
                 tE = thr16.partition_D(sR)
+                tE_lo = thr16.partition_D(sE_lo)
                 tDk = thr16.partition_D(sLk)
                 tDq = thr16.partition_D(sLq)
                 tDk_lo = thr16.partition_D(sDk_lo)
@@ -311,7 +320,10 @@ class KdaIntraAda:
                     _flat8(tDq[None, i, 0]).store(hq)
                     _flat8(tDk_lo[None, i, 0]).store((xk - hk.to(cutlass.Float32)).to(dt))
                     _flat8(tDq_lo[None, i, 0]).store((xq - hq.to(cutlass.Float32)).to(dt))
-                    _flat8(tE[None, i, 0]).store((kv * cute.math.exp2(gf - gr, fastmath=True)).to(dt))
+                    xe = kv * cute.math.exp2(gf - gr, fastmath=True)
+                    he = xe.to(dt)
+                    _flat8(tE[None, i, 0]).store(he)
+                    _flat8(tE_lo[None, i, 0]).store((xe - he.to(cutlass.Float32)).to(dt))
                 cute.arch.sync_threads()
                 # warp w: its own 16 x 16 block
                 sDk_w = cute.local_tile(sLk, (16, _SL), (wid, 0))
@@ -319,22 +331,13 @@ class KdaIntraAda:
                 sDk_lo_w = cute.local_tile(sDk_lo, (16, _SL), (wid, 0))
                 sDq_lo_w = cute.local_tile(sDq_lo, (16, _SL), (wid, 0))
                 sE_w = cute.local_tile(sR, (16, _SL), (wid, 0))
+                sE_lo_w = cute.local_tile(sE_lo, (16, _SL), (wid, 0))
                 self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dk, sDk_w, sE_w)
                 self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dq, sDq_w, sE_w)
                 self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dk, sDk_lo_w, sE_w)
                 self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dq, sDq_lo_w, sE_w)
-                cute.arch.sync_threads()
-                # the right operand's low part
-                for i in cutlass.range_constexpr(4):
-                    r = tc[0, i, 0][0]
-                    gr = self._vec(thr32, sGs, i).load()
-                    gf = self._row_vec(sGs, 16 * i, tc[0, i, 0][1])
-                    kv = self._vec(thr16, sK, i).load().to(cutlass.Float32) * srow[r, 1]
-                    xe = kv * cute.math.exp2(gf - gr, fastmath=True)
-                    _flat8(tE[None, i, 0]).store((xe - xe.to(dt).to(cutlass.Float32)).to(dt))
-                cute.arch.sync_threads()
-                self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dk, sDk_w, sE_w)
-                self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dq, sDq_w, sE_w)
+                self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dk, sDk_w, sE_lo_w)
+                self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dq, sDq_w, sE_lo_w)
             else:
                 # exact exponents; lanes start at different columns so that the 32 lanes'
                 # loads fall on distinct banks
@@ -530,20 +533,18 @@ class KdaIntraAda:
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def _gate_cumsum(self, g: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor,
+    def _gate_cumsum(self, xs: list, a_log: cute.Tensor, dt_bias: cute.Tensor,
                      eg: cute.Tensor, sG: cute.Tensor, srow: cute.Tensor, sflag: cute.Tensor,
-                     row0: cutlass.Int32, n: cutlass.Int32, c: cutlass.Int32, h: cutlass.Int32,
+                     n: cutlass.Int32, c: cutlass.Int32, h: cutlass.Int32,
                      gate_mode: cutlass.Int32, lower_bound: cutlass.Float32,
-                     tidx: cutlass.Int32, thr32: cute.TiledCopy, tc: cute.Tensor):
+                     tidx: cutlass.Int32, thr32: cute.TiledCopy):
         """G (log2 domain) of all K columns over the chunk's rows into sG (64, K), on all
-        threads: g's rows land in sG as 16-byte vectors; then 128 / K threads per column scan
+        threads: g's rows (xs: a thread's 4 row vectors per K slab, loaded by the caller) land
+        in sG; then 128 / K threads per column scan
         it, the gate applied on the way (gate_mode 1: -exp(A_log) softplus(g + dt_bias); 2:
         lower_bound sigmoid(exp(A_log) (g + dt_bias)); rows past the end add 0). Flags a K
         slab whose sub-chunk spread is too wide for the tensor cores; writes exp(Gamma)."""
         K, NS = self.K, self.NS
-        # every load first (rows past the end read the last row; the scan skips them)
-        xs = [self._row8(g, row0, n, tc[0, i, 0][0], h, sl * _SL + tc[0, i, 0][1])
-              for sl in range(NS) for i in range(4)]
         for sl in cutlass.range_constexpr(NS):
             tG = thr32.partition_D(cute.local_tile(sG, (_C, _SL), (0, sl)))
             for i in cutlass.range_constexpr(4):
