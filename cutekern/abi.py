@@ -277,7 +277,8 @@ def kda_intra_abi(dtype: str, g: str) -> tuple:
     """ABI of the KDA intra-chunk stage (one head dim K per compiled variant, V a multiple of
     64); writes the chain's inputs (kda_chain_abi) for every chunk c and head h:
 
-      q, k (R, H, K) dtype; v (R, H, V) dtype; g (R, H, K) g (log decay, or the raw gate)
+      q, k (R, H, K) dtype; v (R, H, V) dtype; g (R, H, K) g (log decay, or the raw gate;
+        read as 16-byte row vectors like q)
       beta (R, H) float32 (logits when beta_sigmoid)
       a_log (H,), dt_bias (H, K) float32   the gate's parameters (gate_mode 1 / 2)
       chunks (NC, 2) int32   (first row, length 1..64) of each chunk in q's rows

@@ -15,7 +15,9 @@ q, k [B, T, H, K] and v [B, T, H, V] in bf16 or fp16; g [B, T, H, K] is the log 
 with ``use_gate_in_kernel`` the raw gate projection (``-exp(A_log) * softplus(g + dt_bias)``,
 or with ``lower_bound`` the bounded "safe gate" ``lower_bound * sigmoid(exp(A_log) * (g +
 dt_bias))``); beta [B, T, H] post-sigmoid unless ``use_beta_sigmoid_in_kernel``;
-initial_state [N, H, K, V] fp32; varlen is B == 1 with int64 cu_seqlens [N + 1]
+initial_state [N, H, K, V] fp32; q, k, v and g are read as 16-byte row vectors (their last dim
+contiguous, data pointers 16-byte aligned: the runtime names the argument otherwise);
+varlen is B == 1 with int64 cu_seqlens [N + 1]
 (FlashAttention convention, 0-length sequences allowed). Not supported (named errors):
 grouped value heads (v with more heads than q), a bf16 state. The math and the float64
 ground truth are in ``cutekern.reference`` (``kda_reference``, ``kda_chunked``, ``kda_gate``).

@@ -123,6 +123,23 @@ def test_sass_fingerprints(exported, arch):
         assert set(e["sass"]["required_found"]) >= set(e["sass"]["required"])
 
 
+def test_kda_intra_code_fits_the_instruction_cache(exported):
+    """The KDA intra kernel's K-slab loops are runtime loops: unrolled, its straight-line
+    code (21k SASS instructions) spent a third of its time on instruction fetch (ncu on the
+    H200); looped, every variant is ~7.5k (perf/NOTES.md, 24th session)."""
+    import re
+    out, manifest = exported
+    sizes = {}
+    for e in manifest["kernels"]:
+        if e["op"] != "kda_intra":
+            continue
+        sass = (out / e["object"]).with_suffix(".sass").read_text()
+        sizes[e["prefix"]] = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[A-Z@]", sass))
+    assert sizes and len(sizes) == sum(e["op"] == "kda_intra" for e in manifest["kernels"])
+    big = {k: v for k, v in sizes.items() if not 1000 < v <= 9000}
+    assert not big, f"kda_intra variants outside 1k..9k SASS instructions: {big}"
+
+
 def test_lce_sm90_phases_overlap_through_pdl(exported):
     """The sm_90a user phase lets the candidate phase launch early (PREEXIT = griddepcontrol
     .launch_dependents) and the candidate phase waits for it before reading the addend
