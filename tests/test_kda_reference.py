@@ -1,6 +1,7 @@
 """KDA prefill: the chunked algorithm against the token recurrence, the chain's split and
 affine forms (what a split of the recurrent chain across CTAs relies on), the argument
-contract and the chunk work list. No kernel yet: these fix the ground truth first."""
+contract, the chunk work list and the intra kernel's diagonal-block arithmetic (emulated).
+The kernels themselves are checked against these on the GPU (tests/gpu/test_kda_gpu.py)."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -263,6 +264,54 @@ def test_tiled_stages_hold_the_bf16_bar(gate):
         assert rel(o, o_ref) <= bar and rel(f, f_ref) <= bar, (dt, rel(o, o_ref), rel(f, f_ref))
     if gate != "softplus":  # the mild softplus draw decays too slowly to show it
         assert torch.isinf(torch.exp(-torch.cumsum(g[0, :64], dim=0))).any()
+
+
+def _diag_split_error(spread, seed, tiny):
+    """Max abs error of one 16 x 16 diagonal score block done as the intra kernel does it
+    (kernels/ada/kda_intra.py): split at the sub-chunk's first token f, left k_r rk exp2(G_r -
+    G_f) <= 1 and right k_s rk exp2(G_f - G_s) <= 2^spread in fp32 (flushing subnormals, as
+    the fast-math multiplies may), each rounded to a bf16 pair hi + lo, products hi hi' +
+    lo hi' + hi lo' accumulated in fp32; against float64. Rows of k are unit vectors (the
+    bounded case), some components tiny (1e-6) when `tiny`; G has the given spread (log2)."""
+    g0 = torch.Generator().manual_seed(seed)
+    K = 64
+    inc = torch.rand(15, K, generator=g0, dtype=torch.float64)
+    G = torch.cat([torch.zeros(1, K, dtype=torch.float64), -(inc / inc.sum(0) * spread).cumsum(0)])
+    G = G + 30 * torch.randn(1, K, generator=g0, dtype=torch.float64)   # any column offset
+    k = torch.randn(16, K, generator=g0, dtype=torch.float64)
+    if tiny:
+        k = k * torch.where(torch.rand(16, K, generator=g0) < 0.3, 1e-6, 1.0).double()
+    kb = (k / k.norm(dim=1, keepdim=True)).to(torch.bfloat16).float()
+    rk = 1.0 / kb.double().norm(dim=1, keepdim=True)
+    ftz = lambda x: torch.where(x.abs() < 2.0 ** -126, torch.zeros_like(x), x)  # noqa: E731
+    G32 = G.float()
+    xl = ftz(kb * rk.float() * torch.exp2(G32 - G32[:1]))
+    xr = ftz(kb * rk.float() * torch.exp2(G32[:1] - G32))
+    pair = lambda x: (x.to(torch.bfloat16).float(), (x - x.to(torch.bfloat16).float()).to(torch.bfloat16).float())  # noqa: E731
+    (hl, ll), (hr, lr) = pair(xl), pair(xr)
+    acc = hl @ hr.T + ll @ hr.T + hl @ lr.T
+    kr = kb.double() * rk
+    exact = (kr[:, None, :] * kr[None, :, :] * torch.exp2(G[:, None, :] - G[None, :, :])).sum(-1)
+    low = torch.tril(torch.ones(16, 16, dtype=torch.bool))
+    if not torch.isfinite(acc[low]).all():
+        return float("inf")
+    return (acc.double() - exact).abs()[low].max().item()
+
+
+def test_diagonal_blocks_on_the_tensor_cores_hold_fp32_accuracy_to_the_threshold():
+    """The intra kernel sends a sub-chunk's diagonal block to the tensor cores when its decay
+    spread is at most `diag_spread` (bf16, bounded rows of k: 2^110). Emulated, the hi + lo
+    products stay ~2^-17 from float64 there (entries are <= 1), tiny components included,
+    while a spread past the bf16 range (2^124) is wrong: the threshold is what keeps it."""
+    from kernels.ada.kda_intra import KdaIntraAda
+    import cutlass
+    spread = KdaIntraAda(cutlass.BFloat16, cutlass.Float32, 128).diag_spread
+    assert 100 <= spread <= 112
+    for seed in range(8):
+        for tiny in (False, True):
+            for sp in (8.0, 60.0, spread):
+                assert _diag_split_error(sp, seed, tiny) <= 2e-5, (sp, seed, tiny)
+    assert min(_diag_split_error(124.0, seed, False) for seed in range(4)) > 1e-2
 
 
 @pytest.mark.parametrize("varlen", [False, True])
