@@ -201,7 +201,7 @@ class KdaIntraAda:
         # ---- row factors: l2norm (and the scale), beta
         self._row_factors(q, k, beta, srow, sflag, row0, n, h, scale, l2norm, beta_sigmoid, lane, wid)
 
-        # ---- pass 1 over K slabs: G, the score blocks
+        # ---- the score blocks' accumulators (kept over the K slabs) and diagonal pairs
         thr_s = mma_s.get_slice(tidx)
         s2r_sa = cute.make_tiled_copy_A(ldsm(dt, False), mma_s)
         s2r_sb = cute.make_tiled_copy_B(ldsm(dt, False), mma_s)
