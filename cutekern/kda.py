@@ -236,6 +236,74 @@ def _chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, initial_state, o, ht):
        int(initial_state is not None), 1, stream=_raw_stream(o.device))
 
 
+# Splitting long recurrent chains across CTAs (kernels/CONTRACT_KDA.md, "Chain split"). Off
+# until the split has run on a GPU: the glue below is checked on the CPU against the chain
+# kernel's torch model, not yet through the kernels (tests/gpu/test_kda_gpu.py has the test).
+SPLIT_LONG_CHAINS = False
+
+
+def chain_pieces(chunks_per_seq, heads, head_v, sm_count, *, min_piece=8):
+    """Piece length (in chunks) for splitting the sequences' chains, or 0 for no split.
+
+    The chain kernel runs a CTA per (piece, head, 64 columns of V); a split runs the chain
+    three times over (the pieces' affine maps M and B, then the outputs from the composed
+    start states), so it pays only when the longest sequence is >= 4 pieces long. Pieces are
+    sized so that the output pass has about two CTAs per SM."""
+    longest = max(chunks_per_seq, default=0)
+    ctas_per_piece = heads * (head_v // CHUNK)
+    want = max(1, (2 * sm_count) // max(ctas_per_piece, 1))
+    if want <= len(chunks_per_seq):
+        return 0
+    piece = max(min_piece, -(-sum(chunks_per_seq) // want))
+    return piece if longest >= 4 * piece else 0
+
+
+def _split_bounds(bounds, piece):
+    """Each sequence (batch row, start, end) cut into pieces of `piece` chunks (a 0-token
+    sequence stays one empty piece); returns the pieces and the first piece of each
+    sequence (N + 1 offsets)."""
+    out, first = [], [0]
+    for b, s0, s1 in bounds:
+        cuts = list(range(s0, s1, piece * CHUNK)) or [s0]
+        out += [(b, a, min(a + piece * CHUNK, s1)) for a in cuts]
+        first.append(len(out))
+    return out, first
+
+
+def _split_chain(chain, packed, cu_rows, cu_chunks, first, last, initial_state, o, ht):
+    """The chain over pieces of the sequences instead of whole sequences. The chain is
+    affine per piece p: S_end = M_p S_start + B_p. Pass 1 gets B_p (the chain from S = 0)
+    and M_p (the chain from S = I with u = 0: a stride-0 view, no copy) for every piece;
+    their composition in fp32 gives each piece's start state; pass 2 is the chain from those
+    states, writing o (pass 1's o writes land in o too and are all overwritten) and the
+    pieces' final states. ``chain`` is ``_chain`` or a stand-in with its signature;
+    ``first``: host list, the first piece of each sequence (N + 1 offsets); ``last``: a
+    long tensor on the device, the last piece of each sequence (no host copy here, so the
+    call can be captured in a CUDA graph)."""
+    w, u, qg, kg, aqk, eg = packed
+    npc, h, dk, dv = cu_chunks.shape[0] - 1, w.shape[1], w.shape[-1], u.shape[-1]
+    dev = w.device
+    b_end = torch.empty(npc, h, dk, dv, dtype=torch.float32, device=dev)
+    chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, None, o, b_end)
+    m_end = torch.empty(npc, h, dk, dk, dtype=torch.float32, device=dev)
+    u0 = torch.zeros(dk, dtype=u.dtype, device=dev).expand(u.shape[0], h, CHUNK, dk)
+    eye = torch.eye(dk, dtype=torch.float32, device=dev).expand(npc, h, dk, dk)
+    scratch = o if dv == dk else o.new_empty(*o.shape[:-1], dk)
+    chain(w, u0, qg, kg, aqk, eg, cu_rows, cu_chunks, eye, scratch, m_end)
+    # start states: S_0 of a sequence is its initial state, S_{i+1} = M_i S_i + B_i
+    starts = torch.zeros(npc, h, dk, dv, dtype=torch.float32, device=dev)
+    for n in range(len(first) - 1):
+        p0, p1 = first[n], first[n + 1]
+        s = initial_state[n] if initial_state is not None else starts[p0]
+        starts[p0] = s
+        for p in range(p0, p1 - 1):
+            s = torch.baddbmm(b_end[p], m_end[p], s)
+            starts[p + 1] = s
+    pieces_ht = torch.empty_like(starts)
+    chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, starts, o, pieces_ht)
+    ht.copy_(pieces_ht.index_select(0, last))
+
+
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
               use_beta_sigmoid_in_kernel=False, A_log=None, dt_bias=None, safe_gate=False,
@@ -268,6 +336,21 @@ def _device_tables(bounds: tuple, seqlen: int, device: torch.device):
     return table.to(device), cu_rows.to(device), cu_chunks.to(device)
 
 
+@functools.lru_cache(maxsize=64)
+def _piece_tables(bounds: tuple, piece: int, seqlen: int, device: torch.device):
+    """A chain split's tables on ``device`` (cached like `_device_tables`): the first piece of
+    each sequence (host list), the pieces' row and chunk offsets, each sequence's last piece."""
+    pbounds, first = _split_bounds(list(bounds), piece)
+    _, cu_rows, cu_chunks = _device_tables(tuple(pbounds), seqlen, device)
+    last = torch.tensor([f - 1 for f in first[1:]], dtype=torch.long).to(device)
+    return first, cu_rows, cu_chunks, last
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @torch.library.custom_op("cutekern::chunk_kda", mutates_args=())
 def _kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor, scale: float | None, initial_state: torch.Tensor | None,
@@ -290,7 +373,15 @@ def _kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         packed = _intra(q, k, v, g, beta, table, scale=scale, l2norm=l2norm,
                         beta_sigmoid=beta_sigmoid, gate_mode=gate_mode, a_log=a_log,
                         dt_bias=dtb, lower_bound=lower_bound)
-        _chain(*packed, cu_rows, cu_chunks, initial_state, o, ht)
+        piece = 0
+        if SPLIT_LONG_CHAINS:
+            piece = chain_pieces([-(-(s1 - s0) // CHUNK) for _, s0, s1 in bounds], h, dv,
+                                 _sm_count(dev))
+        if piece:
+            first, cu_rows_p, cu_chunks_p, last = _piece_tables(tuple(bounds), piece, t, dev)
+            _split_chain(_chain, packed, cu_rows_p, cu_chunks_p, first, last, initial_state, o, ht)
+        else:
+            _chain(*packed, cu_rows, cu_chunks, initial_state, o, ht)
     elif initial_state is not None:
         ht.copy_(initial_state)
     else:

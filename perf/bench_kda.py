@@ -157,7 +157,11 @@ def main():
     ap.add_argument("--only", default="", help="run the cases whose name contains this")
     ap.add_argument("--no-check", action="store_true", help="skip the fp64 comparison")
     ap.add_argument("--quick", action="store_true", help="5 reps, the 1x8192 H=64 case only")
+    ap.add_argument("--split", action="store_true",
+                    help="cutekern.kda.SPLIT_LONG_CHAINS on: long chains over few heads split "
+                         "across CTAs (where kda.chain_pieces asks for it)")
     args = ap.parse_args()
+    ck_kda.SPLIT_LONG_CHAINS = args.split
     if args.quick:
         args.reps, args.only = 5, args.only or "1x8192 H=64"
     chunk_kda, version = load_peer()
@@ -173,6 +177,8 @@ def main():
                       "captures, CUDA-graph replays; cold L2 (256 MB flush); median of reps",
             "inputs": "q, k L2-normalized bf16; raw gate with the safe gate in kernel "
                       "(lower_bound -5); beta logits; D = 128; output_final_state",
+            "chain_split": "on (kda.SPLIT_LONG_CHAINS; cases with 'chain_piece' > 0 took it)"
+                           if args.split else "off",
             "vs_fp64_reference": checks})
 
     if not args.no_check:
@@ -183,6 +189,10 @@ def main():
         p = problem(lens, h, seed=0, batch=batch)
         tokens = (batch or 1) * sum(lens)
         row = {"case": name, "heads": h, "tokens": tokens}
+        if args.split:
+            row["chain_piece"] = ck_kda.chain_pieces(
+                [-(-n // 64) for n in lens] * (batch or 1), h, D,
+                torch.cuda.get_device_properties(0).multi_processor_count)
         # ours: each kernel alone on its inputs (graph replays), the op eagerly and replayed
         kw_i, args_c = chain_inputs(p, lens, batch)
         ti = time_graph_ms(lambda: ck_kda._intra(**kw_i), reps=args.reps)

@@ -354,3 +354,80 @@ def test_op_rejects_host_tensors_naming_q():
     (q, k, v, g, beta), _ = _inputs(1, 10, 2, 64, 64, 3, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="'q'.*CUDA"):
         chunk_kda(q, k, v, g, beta)
+
+
+def _model_chain(num_rows):
+    """The chain kernel's torch model behind `kda._chain`'s signature: writes only the rows
+    its sequences cover (as the kernel does) and the final states."""
+    from cutekern.reference import kda_chain_packed
+
+    def chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, h0, o, ht):
+        ro, rh = kda_chain_packed(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, h0, num_rows)
+        rows = o.reshape(-1, *o.shape[-2:])
+        for a, b in zip(cu_rows.tolist(), cu_rows.tolist()[1:]):
+            rows[a:b] = ro[a:b].to(o.dtype)
+        ht.copy_(rh)
+    return chain
+
+
+def test_chain_split_plan():
+    """Pieces only where a few long sequences would leave the GPU idle (132 SMs): the spec's
+    65536-token cases split into 16 / 32 pieces, the T = 8192 H = 64 cases and the varlen
+    batches not; every token in exactly one piece, pieces cut at whole chunks."""
+    from cutekern.kda import _split_bounds, chain_pieces
+    assert chain_pieces([1024], 8, 128, 132) == 64 and chain_pieces([1024], 4, 128, 132) == 32
+    assert chain_pieces([128], 32, 128, 132) == 32 and chain_pieces([40, 3], 4, 128, 132) == 8
+    for lens, h in (([128], 64), ([256], 64), ([256], 96), ([21, 9, 32, 16, 5, 48], 64),
+                    ([16] * 8, 64), ([1024], 64), ([20, 3], 4)):
+        assert chain_pieces(lens, h, 128, 132) == 0, (lens, h)
+    bounds = [(0, 0, 700), (0, 700, 700), (0, 700, 1500), (1, 0, 64)]
+    pieces, first = _split_bounds(bounds, 2)
+    assert first == [0, 6, 7, 14, 15]
+    assert pieces[:6] == [(0, 0, 128), (0, 128, 256), (0, 256, 384), (0, 384, 512),
+                          (0, 512, 640), (0, 640, 700)]
+    assert pieces[6] == (0, 700, 700) and pieces[14] == (1, 0, 64)
+    for (b, s0, s1), (p0, p1) in zip(bounds, zip(first, first[1:])):
+        assert [x[1] for x in pieces[p0:p1]][0] == s0 and pieces[p1 - 1][2] == s1
+        assert all(pieces[i][2] == pieces[i + 1][1] for i in range(p0, p1 - 1))
+
+
+@pytest.mark.parametrize("dv", [64, 128])
+def test_chain_split_composes_to_the_whole_chain(dv):
+    """`kda._split_chain` (pieces' affine maps from the chain run from S = 0 and from S = I
+    with a stride-0 zero u, composed in fp32, then the chain from the composed start states)
+    through the chain kernel's torch model: the first piece of every sequence is bit-identical
+    to the unsplit chain (same inputs, same start), the rest within the bf16 bar of it and of
+    the float64 recurrence; initial states, a 0-token sequence and V != K included."""
+    from cutekern.kda import _chunk_rows, _split_bounds, _split_chain
+    from cutekern.reference import kda_intra_packed
+    cu = [0, 700, 700, 1500]
+    t, h, d = cu[-1], 2, 64
+    # a weak decay (exp(Gamma) ~ 0.85 per chunk), so that the pieces' M are far from 0 and
+    # the composition matters (under the safe gate M underflows to 0 within two chunks)
+    (q, k, v, g, beta), s0 = _inputs(1, t, h, d, dv, 17, gate="direct", n_state=3, dtype=torch.bfloat16)
+    g = g * 0.05
+    bounds = [(0, a, b) for a, b in zip(cu, cu[1:])]
+    rows, cu_rows, cu_chunks = _chunk_rows(bounds, t)
+    packed = kda_intra_packed(q, k, v, g, beta, rows, torch.bfloat16, scale=None, l2norm=True,
+                              beta_sigmoid=True, gate=None)
+    chain = _model_chain(t)
+    o_ref = torch.full((1, t, h, dv), float("nan"), dtype=torch.bfloat16)
+    ht_ref = torch.empty(3, h, d, dv)
+    chain(*packed, cu_rows, cu_chunks, s0, o_ref, ht_ref)
+    pieces, first = _split_bounds(bounds, 2)
+    _, cu_rows_p, cu_chunks_p = _chunk_rows(pieces, t)
+    assert torch.equal(cu_chunks_p[torch.tensor(first)], cu_chunks)   # same chunk list
+    o = torch.full((1, t, h, dv), float("nan"), dtype=torch.bfloat16)
+    ht = torch.full((3, h, d, dv), float("nan"))
+    last = torch.tensor([f - 1 for f in first[1:]])
+    _split_chain(chain, packed, cu_rows_p, cu_chunks_p, first, last, s0, o, ht)
+    assert torch.isfinite(o.float()).all() and torch.isfinite(ht).all()
+    assert torch.equal(o[0, :128], o_ref[0, :128]) and torch.equal(o[0, 700:828], o_ref[0, 700:828])
+    assert torch.equal(ht[1], s0[1])                                   # 0-token sequence
+    rel = lambda x, ref: ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert rel(o, o_ref) < 6e-3 and rel(ht, ht_ref) < 6e-3, (rel(o, o_ref), rel(ht, ht_ref))
+    assert not torch.equal(o, o_ref)        # later pieces start from composed states
+    ro, rh = kda_reference(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                           cu_seqlens=torch.tensor(cu), use_qk_l2norm_in_kernel=True,
+                           use_beta_sigmoid_in_kernel=True)
+    assert rel(o, ro) < 6e-3 and rel(ht, rh) < 6e-3, (rel(o, ro), rel(ht, rh))

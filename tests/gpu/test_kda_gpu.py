@@ -245,3 +245,48 @@ def test_op_fuzz_varlen(lens, h, dims, dtype, with_h0, seed):
     q, k, v, g, beta = make(1, cu[-1], h, dk, dv, dtype, seed)
     h0 = torch.randn(len(cu) - 1, h, dk, dv, device="cuda") if with_h0 else None
     check_op(q, k, v, g, beta, cu=cu, h0=h0, use_qk_l2norm_in_kernel=True)
+
+
+# ------------------------------------------------------------------ the chain split across CTAs
+@pytest.mark.parametrize("dtype,dims", [(torch.bfloat16, (128, 128)), (torch.float16, (64, 128))])
+def test_op_chain_split_across_ctas(dtype, dims, monkeypatch):
+    """Long sequences over few heads with `kda.SPLIT_LONG_CHAINS` (the pieces' affine maps
+    from the chain kernel run from S = 0 and from S = I with a stride-0 zero u, composed, then
+    the chain from the composed states): against float64 and against the unsplit op; a weak
+    decay so that the composition matters; an initial state and a 0-token sequence; and a
+    CUDA-graph replay of the split op with new contents."""
+    dk, dv = dims
+    h, cu = 2, [0, 4000, 4000, 9000]
+    q, k, v, g, beta = make(1, cu[-1], h, dk, dv, dtype, 31)
+    g = g * 0.05
+    h0 = torch.randn(len(cu) - 1, h, dk, dv, device="cuda")
+    nchunks = [-(-(b - a) // 64) for a, b in zip(cu, cu[1:])]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert kda.chain_pieces(nchunks, h, dv, sms) > 0, "the case must take the split"
+    monkeypatch.setattr(kda, "SPLIT_LONG_CHAINS", True)
+    check_op(q, k, v, g, beta, cu=cu, h0=h0, use_qk_l2norm_in_kernel=True)
+    cu_t = torch.tensor(cu, dtype=torch.int64, device="cuda")
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu_t,
+              cu_seqlens_cpu=cu_t.cpu(), use_qk_l2norm_in_kernel=True)
+    o_s, ht_s = kda.chunk_kda(q, k, v, g, beta, **kw)
+    monkeypatch.setattr(kda, "SPLIT_LONG_CHAINS", False)
+    o_u, ht_u = kda.chunk_kda(q, k, v, g, beta, **kw)
+    close(o_s, o_u.float(), REL_L2[dtype], "o split vs unsplit")
+    close(ht_s, ht_u, REL_L2[dtype], "final state split vs unsplit")
+    assert torch.equal(ht_s[1], h0[1])                     # the 0-token sequence
+    # graph capture of the split op, replayed on new contents
+    monkeypatch.setattr(kda, "SPLIT_LONG_CHAINS", True)
+    xs = [x.clone() for x in (q, k, v, g, beta)]
+    kda.chunk_kda(*xs, **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, ht_g = kda.chunk_kda(*xs, **kw)
+    q2, k2, v2, g2, beta2 = make(1, cu[-1], h, dk, dv, dtype, 32)
+    for dst, src in zip(xs, (q2, k2, v2, g2 * 0.05, beta2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    ro, rh = _reference(q2, k2, v2, g2 * 0.05, beta2, cu, h0, use_qk_l2norm_in_kernel=True)
+    close(o_g, ro, REL_L2[dtype], "o (graph replay)")
+    close(ht_g, rh, REL_L2[dtype], "final state (graph replay)")
