@@ -236,7 +236,7 @@ def _chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, initial_state, o, ht):
        int(initial_state is not None), 1, stream=_raw_stream(o.device))
 
 
-# Splitting long recurrent chains across CTAs (kernels/CONTRACT_KDA.md, "Chain split"). Off
+# Splitting long recurrent chains across CTAs (kernels/CONTRACT_KDA.md, "Kernel split" 3). Off
 # until the split has run on a GPU: the glue below is checked on the CPU against the chain
 # kernel's torch model, not yet through the kernels (tests/gpu/test_kda_gpu.py has the test).
 SPLIT_LONG_CHAINS = False
