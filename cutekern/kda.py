@@ -4,12 +4,15 @@ Status (kernels/CONTRACT_KDA.md): two CuTe DSL kernels of the Ada design (they a
 for sm_90a and run on the H200): the intra-chunk stage (kernels/ada/kda_intra.py, one CTA
 per (chunk, head)) and the chain (kernels/ada/kda_chain.py, one CTA per (sequence, head, 64
 columns of V)). No sm90 (WGMMA) or sm100 build yet: on SM100 the op raises. The call mirrors
-``fla.ops.kda.chunk_kda`` (same argument names and defaults, so it can stand in for it):
+``fla.ops.kda.chunk_kda`` (same argument names, order and defaults, so it can stand in for it):
 
     chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-              use_beta_sigmoid_in_kernel=False, A_log=None, dt_bias=None, safe_gate=False,
-              lower_bound=None, cu_seqlens=None, cu_seqlens_cpu=None)
+              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
+              lower_bound=None, disable_recompute=False, return_intermediate_states=False,
+              state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None,
+              use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, chunk_size=64,
+              transpose_state_layout=None)
 
 q, k [B, T, H, K] and v [B, T, H, V] in bf16 or fp16; g [B, T, H, K] is the log decay, or
 with ``use_gate_in_kernel`` the raw gate projection (``-exp(A_log) * softplus(g + dt_bias)``,
@@ -71,7 +74,7 @@ def _tensor(name, t, ndim, dtypes, device=None):
 
 def check_kda_args(q, k, v, g, beta, *, scale=None, initial_state=None, use_gate_in_kernel=False,
                    A_log=None, dt_bias=None, safe_gate=False, lower_bound=None, cu_seqlens=None,
-                   cu_seqlens_cpu=None):
+                   cu_seqlens_cpu=None, state_v_first=False):
     """Validate a chunk_kda call; errors name the argument. The chunk work list needs the
     sequence offsets on the host: from ``cu_seqlens_cpu`` when given (no sync), else read
     from ``cu_seqlens`` (one sync if it lives on the GPU)."""
@@ -146,8 +149,10 @@ def check_kda_args(q, k, v, g, beta, *, scale=None, initial_state=None, use_gate
         num_seqs = len(cu) - 1
     if initial_state is not None:
         _tensor("initial_state", initial_state, 4, (torch.float32,), dev)
-        if tuple(initial_state.shape) != (num_seqs, h, dk, dv):
-            raise _err("initial_state", f"must be [N, H, K, V] = [{num_seqs}, {h}, {dk}, {dv}], "
+        want, name = ((num_seqs, h, dv, dk), "[N, H, V, K] (state_v_first)") if state_v_first else \
+            ((num_seqs, h, dk, dv), "[N, H, K, V]")
+        if tuple(initial_state.shape) != want:
+            raise _err("initial_state", f"must be {name} = {list(want)}, "
                                         f"got {tuple(initial_state.shape)}")
     return KdaProblem(bsz, t, h, dk, dv, num_seqs, cu_seqlens is not None, bool(use_gate_in_kernel),
                       tuple(int(x) for x in cu))
@@ -304,16 +309,62 @@ def _split_chain(chain, packed, cu_rows, cu_chunks, first, last, initial_state, 
     ht.copy_(pieces_ht.index_select(0, last))
 
 
+def _fla_options(use_beta_sigmoid_in_kernel, allow_neg_eigval, return_intermediate_states,
+                 state_v_first, cp_context, use_graph, chunk_size, transpose_state_layout):
+    """fla.ops.kda.chunk_kda's further options: what this op honours (named errors for the
+    rest). Returns state_v_first after the deprecated alias."""
+    if transpose_state_layout is not None:
+        if state_v_first:
+            raise _err("transpose_state_layout", "is the deprecated name of state_v_first: pass one")
+        state_v_first = bool(transpose_state_layout)
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise _err("allow_neg_eigval", "requires use_beta_sigmoid_in_kernel=True (as in fla)")
+    if return_intermediate_states:
+        raise NotImplementedError("chunk_kda: argument 'return_intermediate_states' is not "
+                                  "supported (the chain keeps its per-chunk states on chip)")
+    if cp_context is not None:
+        raise NotImplementedError("chunk_kda: argument 'cp_context' (context parallelism) is not supported")
+    if use_graph:
+        raise NotImplementedError(
+            "chunk_kda: argument 'use_graph' (replays with new cu_seqlens contents) is not "
+            "supported: pass cu_seqlens_cpu and capture one graph per sequence layout")
+    if chunk_size not in (32, 64):
+        raise _err("chunk_size", f"must be 32 or 64 (as in fla), got {chunk_size!r}")
+    return bool(state_v_first)
+
+
+def _compat_inputs(beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                   state_v_first):
+    """beta and the initial state as the kernels take them: allow_neg_eigval's 2 sigmoid(beta)
+    applied here (the kernels then read a post-sigmoid beta), a V-first state transposed."""
+    if allow_neg_eigval:
+        beta, use_beta_sigmoid_in_kernel = 2.0 * torch.sigmoid(beta.float()), False
+    if state_v_first and initial_state is not None:
+        initial_state = initial_state.transpose(-1, -2).contiguous()
+    return beta, initial_state, use_beta_sigmoid_in_kernel
+
+
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-              use_beta_sigmoid_in_kernel=False, A_log=None, dt_bias=None, safe_gate=False,
-              lower_bound=None, cu_seqlens=None, cu_seqlens_cpu=None):
-    """KDA chunked prefill (fla.ops.kda.chunk_kda's contract; see the module docstring).
-    Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or None)."""
+              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
+              lower_bound=None, disable_recompute=False, return_intermediate_states=False,
+              state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None,
+              use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, chunk_size=64,
+              transpose_state_layout=None):
+    """KDA chunked prefill (fla.ops.kda.chunk_kda's contract and argument order; see the
+    module docstring). Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32
+    ([N, H, V, K] with state_v_first) or None). fla's further options: allow_neg_eigval (beta
+    = 2 sigmoid(beta)) and state_v_first (alias transpose_state_layout) are honoured;
+    disable_recompute (a training option) and max_num_seqs (only used with use_graph) change
+    nothing here; chunk_size 32 or 64 gives the same result up to rounding (the kernels use
+    64); return_intermediate_states, cp_context and use_graph raise NotImplementedError."""
+    state_v_first = _fla_options(use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                                 return_intermediate_states, state_v_first, cp_context, use_graph,
+                                 chunk_size, transpose_state_layout)
     pb = check_kda_args(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                         safe_gate=safe_gate, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
-                        cu_seqlens_cpu=cu_seqlens_cpu)
+                        cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first)
     if not q.is_cuda:
         raise _err("q", f"must be a CUDA tensor, got {q.device}")
     from .arch import DESIGNS_FOR_ARCH, target_arch
@@ -321,11 +372,15 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if "ada" not in DESIGNS_FOR_ARCH[arch]:
         raise NotImplementedError(f"chunk_kda: no KDA kernels for {arch} yet (the Ada design "
                                   f"runs on sm_80, sm_89 and sm_90a)")
+    beta, initial_state, beta_sigmoid = _compat_inputs(
+        beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
     o, ht = _kda_op(q, k, v, g, beta, scale, initial_state, bool(output_final_state),
-                    bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
-                    bool(use_beta_sigmoid_in_kernel), A_log, dt_bias,
-                    None if lower_bound is None else float(lower_bound), list(pb.offsets))
-    return o, (ht if output_final_state else None)
+                    bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(beta_sigmoid),
+                    A_log, dt_bias, None if lower_bound is None else float(lower_bound),
+                    list(pb.offsets))
+    if not output_final_state:
+        return o, None
+    return o, (ht.transpose(-1, -2).contiguous() if state_v_first else ht)
 
 
 @functools.lru_cache(maxsize=64)

@@ -431,3 +431,41 @@ def test_chain_split_composes_to_the_whole_chain(dv):
                            cu_seqlens=torch.tensor(cu), use_qk_l2norm_in_kernel=True,
                            use_beta_sigmoid_in_kernel=True)
     assert rel(o, ro) < 6e-3 and rel(ht, rh) < 6e-3, (rel(o, ro), rel(ht, rh))
+
+
+def test_fla_options_named_or_honoured():
+    """fla's further chunk_kda options: named errors for what the op does not do, the rest
+    mapped onto what the kernels take (2 sigmoid(beta) for allow_neg_eigval, a V-first state
+    transposed), unknown keywords refused."""
+    from cutekern.kda import _compat_inputs, _fla_options, chunk_kda
+    opts = dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False,
+                return_intermediate_states=False, state_v_first=False, cp_context=None,
+                use_graph=False, chunk_size=64, transpose_state_layout=None)
+    assert _fla_options(**opts) is False
+    assert _fla_options(**{**opts, "transpose_state_layout": True}) is True
+    assert _fla_options(**{**opts, "chunk_size": 32}) is False
+    for bad, exc, name in ((dict(allow_neg_eigval=True, use_beta_sigmoid_in_kernel=False), ValueError, "allow_neg_eigval"),
+                           (dict(return_intermediate_states=True), NotImplementedError, "return_intermediate_states"),
+                           (dict(cp_context=object()), NotImplementedError, "cp_context"),
+                           (dict(use_graph=True), NotImplementedError, "use_graph"),
+                           (dict(chunk_size=16), ValueError, "chunk_size"),
+                           (dict(state_v_first=True, transpose_state_layout=True), ValueError, "transpose_state_layout")):
+        with pytest.raises(exc, match=f"'{name}'"):
+            _fla_options(**{**opts, **bad})
+    (q, k, v, g, beta), s0 = _inputs(1, 10, 2, 64, 32, 3, n_state=1, dtype=torch.bfloat16)
+    with pytest.raises(TypeError):
+        chunk_kda(q, k, v, g, beta, no_such_option=1)
+    b2, s2, sig = _compat_inputs(beta, s0.transpose(-1, -2).contiguous(), True, True, True)
+    assert sig is False and torch.allclose(b2, 2 * torch.sigmoid(beta.float()))
+    assert torch.equal(s2, s0) and s2.is_contiguous()
+    b3, s3, sig3 = _compat_inputs(beta, s0, True, False, False)
+    assert sig3 is True and b3 is beta and s3 is s0
+
+
+def test_state_v_first_shape_is_checked():
+    from cutekern.kda import check_kda_args
+    (q, k, v, g, beta), s0 = _inputs(1, 10, 2, 64, 128, 3, n_state=1, dtype=torch.bfloat16)
+    check_kda_args(q, k, v, g, beta, initial_state=s0)
+    check_kda_args(q, k, v, g, beta, initial_state=s0.transpose(-1, -2).contiguous(), state_v_first=True)
+    with pytest.raises(ValueError, match=r"'initial_state'.*\[N, H, V, K\]"):
+        check_kda_args(q, k, v, g, beta, initial_state=s0, state_v_first=True)

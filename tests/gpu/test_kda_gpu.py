@@ -290,3 +290,21 @@ def test_op_chain_split_across_ctas(dtype, dims, monkeypatch):
     ro, rh = _reference(q2, k2, v2, g2 * 0.05, beta2, cu, h0, use_qk_l2norm_in_kernel=True)
     close(o_g, ro, REL_L2[dtype], "o (graph replay)")
     close(ht_g, rh, REL_L2[dtype], "final state (graph replay)")
+
+
+def test_op_fla_options():
+    """fla's allow_neg_eigval (beta = 2 sigmoid(logits), so eigenvalues of the delta rule in
+    (-1, 1]) and state_v_first ([N, H, V, K] states in and out) against float64."""
+    q, k, v, g, beta = make(1, 300, 2, 128, 64, torch.bfloat16, 41)
+    cu = [0, 100, 300]
+    logits = beta.float() * 4 - 2
+    h0 = torch.randn(2, 2, 128, 64, device="cuda")
+    cu_t = torch.tensor(cu, dtype=torch.int64, device="cuda")
+    o, ht = kda.chunk_kda(q, k, v, g, logits, initial_state=h0.transpose(-1, -2).contiguous(),
+                          output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm_in_kernel=True,
+                          use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
+                          state_v_first=True)
+    assert ht.shape == (2, 2, 64, 128)
+    ro, rh = _reference(q, k, v, g, 2 * torch.sigmoid(logits), cu, h0, use_qk_l2norm_in_kernel=True)
+    close(o, ro, REL_L2[torch.bfloat16], "o")
+    close(ht.transpose(-1, -2), rh, REL_L2[torch.bfloat16], "final state")
