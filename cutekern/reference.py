@@ -1,6 +1,9 @@
 """Reference implementations (float64/float32 math), the ground truth for every test."""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 
@@ -437,3 +440,131 @@ def kda_intra_packed(q, k, v, g, beta, rows, dtype, *, scale, l2norm, beta_sigmo
             out[name][sl] = x.reshape(n, h, chunk, -1).to(dtype)
         eg[sl] = torch.exp(gam).reshape(n, h, dk)
     return out["w"], out["u"], out["qg"], out["kg"], out["aqk"], eg
+
+
+# ---------------------------------------------------------------------------------------
+# MegaKernel decode (../shared/specs/megakernel.md): a Qwen3 decoder step and the W4A16 g128
+# weight format, the ground truth a persistent decode kernel will be checked against.
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    """Qwen3 decoder dimensions; the defaults are Qwen3-1.7B's (the spec's model)."""
+    hidden: int = 2048
+    layers: int = 28
+    q_heads: int = 16
+    kv_heads: int = 8
+    head_dim: int = 128
+    intermediate: int = 6144
+    vocab: int = 151936
+    eps: float = 1e-6
+    rope_theta: float = 1e6
+
+
+def w4a16_quantize(w, group=128):
+    """W4A16 storage as GPTQ keeps it (symmetric, zero point 8): w [N, K] (out, in) ->
+    qweight int32 [K / 8, N] (k's nibble at bits 4 (k % 8) of row k // 8), scales [K / group,
+    N] in w's dtype; w ~ (nibble - 8) * scale. Round to nearest (GPTQ's error feedback picks
+    other nibbles, not another format)."""
+    n, k = w.shape
+    if k % group or group % 8:
+        raise ValueError(f"w4a16_quantize: K={k} must be a multiple of group={group} (itself of 8)")
+    wg = w.double().reshape(n, k // group, group)
+    scale = (wg.abs().amax(-1) / 7.0).clamp_min(1e-12).to(w.dtype)          # [N, K / group]
+    q = torch.round(wg / scale.double()[..., None]).clamp(-8, 7).to(torch.int64) + 8
+    q = q.reshape(n, k // 8, 8)
+    packed = torch.zeros(n, k // 8, dtype=torch.int64)
+    for j in range(8):
+        packed |= q[..., j] << (4 * j)
+    packed = torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed)      # as int32 bits
+    return packed.to(torch.int32).t().contiguous(), scale.t().contiguous()
+
+
+def w4a16_dequantize(qweight, scales, group=128, dtype=torch.float64):
+    """The W4A16 weight [N, K] in ``dtype`` (the inverse of w4a16_quantize's storage)."""
+    k8, n = qweight.shape
+    bits = qweight.to(torch.int64) & 0xFFFFFFFF
+    q = torch.stack([(bits >> (4 * j)) & 0xF for j in range(8)], dim=1)    # [K / 8, 8, N]
+    q = q.reshape(k8 * 8, n).to(dtype) - 8.0
+    return (q * scales.to(dtype).repeat_interleave(group, dim=0)).t()
+
+
+def qwen3_params(cfg: Qwen3Config, seed=0, dtype=torch.bfloat16, device="cpu"):
+    """Seeded random weights in the real layout (nn.Linear [out, in]; tied embeddings): the
+    spec's stand-in when no checkpoint is given. Scales keep activations O(1) over layers."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    d, hq, hk, hd, f = cfg.hidden, cfg.q_heads, cfg.kv_heads, cfg.head_dim, cfg.intermediate
+    lin = lambda o, i: (torch.randn(o, i, generator=g) / math.sqrt(i)).to(dtype).to(device)  # noqa: E731
+    norm = lambda n: (1.0 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(device)  # noqa: E731
+    layers = [dict(input_norm=norm(d), q=lin(hq * hd, d), k=lin(hk * hd, d), v=lin(hk * hd, d),
+                   q_norm=norm(hd), k_norm=norm(hd), o=lin(d, hq * hd), post_norm=norm(d),
+                   gate=lin(f, d), up=lin(f, d), down=lin(d, f)) for _ in range(cfg.layers)]
+    embed = torch.randn(cfg.vocab, d, generator=g).to(dtype).to(device)
+    return dict(embed=embed, layers=layers, final_norm=norm(d))
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w.to(x.dtype)
+
+
+def _rope(x, pos, theta):
+    """Rotary embedding of x [B, H, T, D] at positions pos [T] (rotate-half pairing)."""
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, dtype=x.dtype, device=x.device) / d)
+    ang = pos.to(x.dtype)[:, None] * inv[None, :]                           # [T, D / 2]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def qwen3_forward(params, cfg: Qwen3Config, tokens, cache=None, acc_dtype=torch.float64,
+                  weight=None):
+    """Qwen3 decoder over new tokens [B, T] after the cached ones: prefill (no cache) and
+    decode steps (T = 1 with the cache) are the same function. ``cache``: per layer (k, v)
+    [B, H_kv, S, D] in ``acc_dtype`` (post-norm, post-RoPE keys), extended and returned.
+    ``weight(layer, name, w)``: the weight a linear uses (default w itself; e.g. a W4A16
+    dequantization). Returns (logits [B, T, vocab], cache) in ``acc_dtype``."""
+    acc = acc_dtype
+    wt = weight or (lambda i, name, w: w)
+    bsz, t = tokens.shape
+    past = 0 if cache is None else cache[0][0].shape[2]
+    pos = torch.arange(past, past + t, device=tokens.device)
+    hq, hk, hd = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+    x = params["embed"][tokens].to(acc)                                     # [B, T, H]
+    causal = torch.ones(t, past + t, dtype=torch.bool, device=tokens.device).tril(past)
+    new_cache = []
+    for i, p in enumerate(params["layers"]):
+        lin = lambda name, a: a @ wt(i, name, p[name]).to(acc).t()          # noqa: E731
+        hcur = _rms(x, p["input_norm"], cfg.eps)
+        q = lin("q", hcur).view(bsz, t, hq, hd).transpose(1, 2)
+        k = lin("k", hcur).view(bsz, t, hk, hd).transpose(1, 2)
+        v = lin("v", hcur).view(bsz, t, hk, hd).transpose(1, 2)
+        q = _rope(_rms(q, p["q_norm"], cfg.eps), pos, cfg.rope_theta)
+        k = _rope(_rms(k, p["k_norm"], cfg.eps), pos, cfg.rope_theta)
+        if cache is not None:
+            k = torch.cat([cache[i][0], k], 2)
+            v = torch.cat([cache[i][1], v], 2)
+        new_cache.append((k, v))
+        kk = k.repeat_interleave(hq // hk, dim=1)                           # q head j: kv head j // (hq / hk)
+        vv = v.repeat_interleave(hq // hk, dim=1)
+        s = (q @ kk.transpose(-1, -2)) * hd ** -0.5
+        s = s.masked_fill(~causal, float("-inf"))
+        a = torch.softmax(s, -1) @ vv                                       # [B, Hq, T, D]
+        x = x + lin("o", a.transpose(1, 2).reshape(bsz, t, hq * hd))
+        hcur = _rms(x, p["post_norm"], cfg.eps)
+        x = x + lin("down", torch.nn.functional.silu(lin("gate", hcur)) * lin("up", hcur))
+    x = _rms(x, params["final_norm"], cfg.eps)
+    return x @ params["embed"].to(acc).t(), new_cache
+
+
+def decode_weight_bytes(cfg: Qwen3Config, *, quant_layers, quant_head, group=128, act_bytes=2):
+    """Weight bytes one decode token streams (the spec's roofline): every layer's linears
+    and norms, the final norm, one embedding row and the (tied) LM head; W4A16 = half a byte
+    per weight plus a 16-bit scale per group."""
+    d, hq, hk, hd, f = cfg.hidden, cfg.q_heads, cfg.kv_heads, cfg.head_dim, cfg.intermediate
+    lin = d * hq * hd + 2 * d * hk * hd + hq * hd * d + 3 * d * f
+    w4 = lambda n: n // 2 + (n // group) * act_bytes                       # noqa: E731
+    per_layer = (w4(lin) if quant_layers else lin * act_bytes) + (2 * d + 2 * hd) * act_bytes
+    head = cfg.vocab * d
+    return (cfg.layers * per_layer + d * act_bytes + d * act_bytes
+            + (w4(head) if quant_head else head * act_bytes))
