@@ -296,14 +296,14 @@ def _split_chain(chain, packed, cu_rows, cu_chunks, first, last, initial_state, 
     scratch = o if dv == dk else o.new_empty(*o.shape[:-1], dk)
     chain(w, u0, qg, kg, aqk, eg, cu_rows, cu_chunks, eye, scratch, m_end)
     # start states: S_0 of a sequence is its initial state, S_{i+1} = M_i S_i + B_i
+    # (one launch per piece: the product lands in place)
     starts = torch.zeros(npc, h, dk, dv, dtype=torch.float32, device=dev)
     for n in range(len(first) - 1):
         p0, p1 = first[n], first[n + 1]
-        s = initial_state[n] if initial_state is not None else starts[p0]
-        starts[p0] = s
+        if initial_state is not None:
+            starts[p0].copy_(initial_state[n])
         for p in range(p0, p1 - 1):
-            s = torch.baddbmm(b_end[p], m_end[p], s)
-            starts[p + 1] = s
+            torch.baddbmm(b_end[p], m_end[p], starts[p], out=starts[p + 1])
     pieces_ht = torch.empty_like(starts)
     chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, starts, o, pieces_ht)
     ht.copy_(pieces_ht.index_select(0, last))
