@@ -460,12 +460,13 @@ class KdaIntraAda:
                              thr16, copy_v16, w[c, h, None, None], sl)
         for vb in cutlass.range_constexpr(2):
             if vb < NV:
-                self._u_block(vpre, vb, tRhs, srow, tc, mma_w, thr_w, s2r_wa, s2r_wb, r2s,
-                              thr_r2s, tidx, sAbf, sRhsT, sOut, thr16, copy_v16, u[c, h, None, None], vb)
+                self._u_block(vpre[4 * vb:4 * vb + 4], tRhs, srow, tc, mma_w, thr_w, s2r_wa,
+                              s2r_wb, r2s, thr_r2s, tidx, sAbf, sRhsT, sOut, thr16, copy_v16,
+                              u[c, h, None, None], vb)
         for vb in range(2, NV):   # V wider than 128 (not exported today): loads in the loop
             vv = [self._row8(v, row0, n, tc[0, i, 0][0], h, vb * _SL + tc[0, i, 0][1])
                   for i in range(4)]
-            self._u_block(vv, 0, tRhs, srow, tc, mma_w, thr_w, s2r_wa, s2r_wb, r2s, thr_r2s,
+            self._u_block(vv, tRhs, srow, tc, mma_w, thr_w, s2r_wa, s2r_wb, r2s, thr_r2s,
                           tidx, sAbf, sRhsT, sOut, thr16, copy_v16, u[c, h, None, None], vb)
 
     # ------------------------------------------------------------------ helpers
@@ -606,16 +607,16 @@ class KdaIntraAda:
         cute.arch.sync_threads()
 
     @cute.jit
-    def _u_block(self, vrows: list, vb: cutlass.Constexpr, tRhs: cute.Tensor, srow: cute.Tensor,
+    def _u_block(self, vrows: list, tRhs: cute.Tensor, srow: cute.Tensor,
                  tc: cute.Tensor, mma_w: cute.TiledMma, thr_w: cute.TiledMma,
                  s2r_wa: cute.TiledCopy, s2r_wb: cute.TiledCopy, r2s: cute.TiledCopy,
                  thr_r2s: cute.TiledCopy, tidx: cutlass.Int32, sAbf: cute.Tensor,
                  sRhsT: cute.Tensor, sOut: cute.Tensor, thr16: cute.TiledCopy,
                  copy_v16: cute.TiledCopy, dst: cute.Tensor, col_block: cutlass.Int32):
-        """u[:, 64 col_block ..] = A (beta v) from a thread's 4 row vectors vrows[4 vb ..]."""
+        """u[:, 64 col_block ..] = A (beta v) from a thread's 4 row vectors of that block."""
         for i in cutlass.range_constexpr(4):
             r = tc[0, i, 0][0]
-            vv = _flat8(vrows[vb * 4 + i]).load().to(cutlass.Float32)
+            vv = _flat8(vrows[i]).load().to(cutlass.Float32)
             _flat8(tRhs[None, i, 0]).store((vv * srow[r, 2]).to(self.dtype))
         cute.arch.sync_threads()
         self._wu_product(mma_w, thr_w, s2r_wa, s2r_wb, r2s, thr_r2s, tidx, sAbf, sRhsT, sOut,
