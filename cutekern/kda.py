@@ -241,26 +241,51 @@ def _chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, initial_state, o, ht):
        int(initial_state is not None), 1, stream=_raw_stream(o.device))
 
 
-# Splitting long recurrent chains across CTAs (kernels/CONTRACT_KDA.md, "Kernel split" 3). Off
-# until the split has run on a GPU: the glue below is checked on the CPU against the chain
-# kernel's torch model, not yet through the kernels (tests/gpu/test_kda_gpu.py has the test).
-SPLIT_LONG_CHAINS = False
+# Splitting long recurrent chains across CTAs (kernels/CONTRACT_KDA.md, "Kernel split" 3),
+# where `chain_pieces` asks for it; False runs every sequence's chain whole. Checked on the
+# CPU against the chain kernel's torch model and on the H200 through the kernels
+# (tests/gpu/test_kda_gpu.py::test_op_chain_split_across_ctas).
+SPLIT_LONG_CHAINS = True
 
 
-def chain_pieces(chunks_per_seq, heads, head_v, sm_count, *, min_piece=8):
+# The chain kernel on the H200 (measured 2026-12-02, perf/results/kda.json): one CTA's chunk
+# step takes ~1.95 us, so a chain of n chunks takes n x 1.95 us however few CTAs run; a pass
+# with enough CTAs moves what it reads and writes at ~3.5 TB/s.
+_CHAIN_STEP_S = 2.0e-6
+_CHAIN_BYTES_PER_S = 3.5e12
+_COMPOSE_STEP_S = 5e-6      # one baddbmm launch per piece index
+
+
+def _chain_pass_bytes(tokens, heads, head_k, head_v):
+    """Bytes one chain pass moves: each CTA (64 columns of V) reads w, qg, kg (16-bit) and
+    Aqk (fp32) of its chunks; u is read and o written once."""
+    return tokens * heads * ((head_v // CHUNK) * (3 * head_k * 2 + CHUNK * 4) + 2 * head_v * 2)
+
+
+def chain_pieces(chunks_per_seq, heads, head_v, sm_count, *, head_k=None, min_piece=8):
     """Piece length (in chunks) for splitting the sequences' chains, or 0 for no split.
 
-    The chain kernel runs a CTA per (piece, head, 64 columns of V); a split runs the chain
-    three times over (the pieces' affine maps M and B, then the outputs from the composed
-    start states), so it pays only when the longest sequence is >= 4 pieces long. Pieces are
-    sized so that the output pass has about two CTAs per SM."""
+    The chain kernel runs a CTA per (piece, head, 64 columns of V), so few long sequences
+    over few heads leave most SMs idle and the time is the longest chain's steps. A split runs
+    the chain three times over (the pieces' affine maps M and B, then the outputs from the
+    composed start states) plus one composition launch per piece: it pays only where those
+    passes, bandwidth-bound once enough CTAs run, beat the unsplit chain's latency (1 x 65536
+    at 4-8 heads: yes; 1 x 8192 at 32 heads: no, measured 0.35 -> 0.49 ms with the chain
+    kernel of the time, whose step took 2.7 us).
+    Pieces are sized so that the output pass has about two CTAs per SM."""
+    head_k = head_v if head_k is None else head_k
     longest = max(chunks_per_seq, default=0)
     ctas_per_piece = heads * (head_v // CHUNK)
     want = max(1, (2 * sm_count) // max(ctas_per_piece, 1))
     if want <= len(chunks_per_seq):
         return 0
     piece = max(min_piece, -(-sum(chunks_per_seq) // want))
-    return piece if longest >= 4 * piece else 0
+    if longest < 4 * piece:
+        return 0
+    stream = _chain_pass_bytes(sum(chunks_per_seq) * CHUNK, heads, head_k, head_v) / _CHAIN_BYTES_PER_S
+    unsplit = max(longest * _CHAIN_STEP_S, stream)
+    split = 3 * max(stream, piece * _CHAIN_STEP_S) + -(-longest // piece) * _COMPOSE_STEP_S
+    return piece if split < 0.8 * unsplit else 0
 
 
 def _split_bounds(bounds, piece):
@@ -431,7 +456,7 @@ def _kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         piece = 0
         if SPLIT_LONG_CHAINS:
             piece = chain_pieces([-(-(s1 - s0) // CHUNK) for _, s0, s1 in bounds], h, dv,
-                                 _sm_count(dev))
+                                 _sm_count(dev), head_k=dk)
         if piece:
             first, cu_rows_p, cu_chunks_p, last = _piece_tables(tuple(bounds), piece, t, dev)
             _split_chain(_chain, packed, cu_rows_p, cu_chunks_p, first, last, initial_state, o, ht)

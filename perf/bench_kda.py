@@ -36,6 +36,7 @@ CHAIN_FLOP_PER_TOKEN_HEAD = 2 * (3 * D * D + 64 * D)
 LOWER_BOUND = -5.0
 VARLEN_B = [1300, 547, 2048, 963, 271, 3063]
 VARLEN_C = [1024] * 8
+DTYPE = torch.bfloat16     # --dtype fp16: the same inputs in fp16
 
 
 def load_peer():
@@ -57,9 +58,9 @@ def problem(lens, h, seed, batch=None):
     b, t = (batch, lens[0]) if batch else (1, sum(lens))
     rn = lambda *s: torch.randn(*s, device="cuda", generator=g0)  # noqa: E731
     l2 = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
-    q, k = l2(rn(b, t, h, D)).bfloat16(), l2(rn(b, t, h, D)).bfloat16()
-    v = rn(b, t, h, D).bfloat16()
-    g_raw, beta = rn(b, t, h, D).bfloat16(), rn(b, t, h).bfloat16()
+    q, k = l2(rn(b, t, h, D)).to(DTYPE), l2(rn(b, t, h, D)).to(DTYPE)
+    v = rn(b, t, h, D).to(DTYPE)
+    g_raw, beta = rn(b, t, h, D).to(DTYPE), rn(b, t, h).to(DTYPE)
     a_log = torch.rand(h, device="cuda", generator=g0)
     dt_bias = torch.rand(h, D, device="cuda", generator=g0)
     cu = None
@@ -157,11 +158,15 @@ def main():
     ap.add_argument("--only", default="", help="run the cases whose name contains this")
     ap.add_argument("--no-check", action="store_true", help="skip the fp64 comparison")
     ap.add_argument("--quick", action="store_true", help="5 reps, the 1x8192 H=64 case only")
-    ap.add_argument("--split", action="store_true",
-                    help="cutekern.kda.SPLIT_LONG_CHAINS on: long chains over few heads split "
-                         "across CTAs (where kda.chain_pieces asks for it)")
+    ap.add_argument("--no-split", action="store_true",
+                    help="cutekern.kda.SPLIT_LONG_CHAINS off: every chain whole (by default long "
+                         "chains over few heads are split across CTAs where kda.chain_pieces "
+                         "asks for it)")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="q, k, v, g, beta")
     args = ap.parse_args()
-    ck_kda.SPLIT_LONG_CHAINS = args.split
+    global DTYPE
+    DTYPE = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    ck_kda.SPLIT_LONG_CHAINS = not args.no_split
     if args.quick:
         args.reps, args.only = 5, args.only or "1x8192 H=64"
     chunk_kda, version = load_peer()
@@ -175,10 +180,10 @@ def main():
                         "each kernel alone (graph replay)",
             "timing": "eager calls (the peer's host time included) and, where the call "
                       "captures, CUDA-graph replays; cold L2 (256 MB flush); median of reps",
-            "inputs": "q, k L2-normalized bf16; raw gate with the safe gate in kernel "
+            "inputs": f"q, k L2-normalized, {args.dtype}; raw gate with the safe gate in kernel "
                       "(lower_bound -5); beta logits; D = 128; output_final_state",
-            "chain_split": "on (kda.SPLIT_LONG_CHAINS; cases with 'chain_piece' > 0 took it)"
-                           if args.split else "off",
+            "chain_split": "off (--no-split)" if args.no_split else
+                           "on (kda.SPLIT_LONG_CHAINS; cases with 'chain_piece' > 0 took it)",
             "vs_fp64_reference": checks})
 
     if not args.no_check:
@@ -189,7 +194,7 @@ def main():
         p = problem(lens, h, seed=0, batch=batch)
         tokens = (batch or 1) * sum(lens)
         row = {"case": name, "heads": h, "tokens": tokens}
-        if args.split:
+        if not args.no_split:
             row["chain_piece"] = ck_kda.chain_pieces(
                 [-(-n // 64) for n in lens] * (batch or 1), h, D,
                 torch.cuda.get_device_properties(0).multi_processor_count)

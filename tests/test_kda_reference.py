@@ -266,13 +266,14 @@ def test_tiled_stages_hold_the_bf16_bar(gate):
         assert torch.isinf(torch.exp(-torch.cumsum(g[0, :64], dim=0))).any()
 
 
-def _diag_split_error(spread, seed, tiny):
+def _diag_split_error(spread, seed, tiny, in_dtype=torch.bfloat16):
     """Max abs error of one 16 x 16 diagonal score block done as the intra kernel does it
     (kernels/ada/kda_intra.py): split at the sub-chunk's first token f, left k_r rk exp2(G_r -
     G_f) <= 1 and right k_s rk exp2(G_f - G_s) <= 2^spread in fp32 (flushing subnormals, as
     the fast-math multiplies may), each rounded to a bf16 pair hi + lo, products hi hi' +
     lo hi' + hi lo' accumulated in fp32; against float64. Rows of k are unit vectors (the
-    bounded case), some components tiny (1e-6) when `tiny`; G has the given spread (log2)."""
+    bounded case, stored in `in_dtype`), some components tiny (1e-6) when `tiny`; G has the
+    given spread (log2). The pair is bf16 for fp16 inputs too, as in the kernel."""
     g0 = torch.Generator().manual_seed(seed)
     K = 64
     inc = torch.rand(15, K, generator=g0, dtype=torch.float64)
@@ -281,7 +282,7 @@ def _diag_split_error(spread, seed, tiny):
     k = torch.randn(16, K, generator=g0, dtype=torch.float64)
     if tiny:
         k = k * torch.where(torch.rand(16, K, generator=g0) < 0.3, 1e-6, 1.0).double()
-    kb = (k / k.norm(dim=1, keepdim=True)).to(torch.bfloat16).float()
+    kb = (k / k.norm(dim=1, keepdim=True)).to(in_dtype).float()
     rk = 1.0 / kb.double().norm(dim=1, keepdim=True)
     ftz = lambda x: torch.where(x.abs() < 2.0 ** -126, torch.zeros_like(x), x)  # noqa: E731
     G32 = G.float()
@@ -305,13 +306,14 @@ def test_diagonal_blocks_on_the_tensor_cores_hold_fp32_accuracy_to_the_threshold
     while a spread past the bf16 range (2^124) is wrong: the threshold is what keeps it."""
     from kernels.ada.kda_intra import KdaIntraAda
     import cutlass
-    spread = KdaIntraAda(cutlass.BFloat16, cutlass.Float32, 128).diag_spread
-    assert 100 <= spread <= 112
-    for seed in range(8):
-        for tiny in (False, True):
-            for sp in (8.0, 60.0, spread):
-                assert _diag_split_error(sp, seed, tiny) <= 2e-5, (sp, seed, tiny)
-    assert min(_diag_split_error(124.0, seed, False) for seed in range(4)) > 1e-2
+    for dt, tdt in ((cutlass.BFloat16, torch.bfloat16), (cutlass.Float16, torch.float16)):
+        spread = KdaIntraAda(dt, cutlass.Float32, 128).diag_spread
+        assert 100 <= spread <= 112
+        for seed in range(8):
+            for tiny in (False, True):
+                for sp in (8.0, 60.0, spread):
+                    assert _diag_split_error(sp, seed, tiny, tdt) <= 2e-5, (sp, seed, tiny, tdt)
+        assert min(_diag_split_error(124.0, seed, False, tdt) for seed in range(4)) > 1e-2
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -371,14 +373,15 @@ def _model_chain(num_rows):
 
 
 def test_chain_split_plan():
-    """Pieces only where a few long sequences would leave the GPU idle (132 SMs): the spec's
-    65536-token cases split into 16 / 32 pieces, the T = 8192 H = 64 cases and the varlen
-    batches not; every token in exactly one piece, pieces cut at whole chunks."""
+    """Pieces only where a few long sequences would leave the GPU idle (132 SMs) and three
+    passes over the data beat the unsplit chain: the spec's 65536-token cases split into 16 /
+    32 pieces, the T = 8192 cases (H = 32, 64) and the varlen batches not; every token in exactly one piece, pieces cut at whole chunks."""
     from cutekern.kda import _split_bounds, chain_pieces
     assert chain_pieces([1024], 8, 128, 132) == 64 and chain_pieces([1024], 4, 128, 132) == 32
-    assert chain_pieces([128], 32, 128, 132) == 32 and chain_pieces([40, 3], 4, 128, 132) == 8
+    assert chain_pieces([200, 3], 4, 128, 132) == 8 and chain_pieces([63, 0, 79], 2, 128, 132) == 8
+    # 1 x 8192 at 32 heads: 4 pieces would be bandwidth-bound at three passes (measured slower)
     for lens, h in (([128], 64), ([256], 64), ([256], 96), ([21, 9, 32, 16, 5, 48], 64),
-                    ([16] * 8, 64), ([1024], 64), ([20, 3], 4)):
+                    ([16] * 8, 64), ([1024], 64), ([20, 3], 4), ([128], 32), ([40, 3], 4)):
         assert chain_pieces(lens, h, 128, 132) == 0, (lens, h)
     bounds = [(0, 0, 700), (0, 700, 700), (0, 700, 1500), (1, 0, 64)]
     pieces, first = _split_bounds(bounds, 2)

@@ -16,7 +16,8 @@ end have q = k = v = beta = g = 0.) Every decay factor a tile sees is bounded:
   sub-chunk j, b = 16 (j + 1): (k_r exp(G_r - G_b)) (k_s exp(G_b - G_s))^T, both <= 1;
 - diagonal blocks (s <= r in one sub-chunk) are one mma.sync product per warp, split at the
   sub-chunk's first token f: (k_r exp(G_r - G_f)) <= 1 times (k_s exp(G_f - G_s)) <= 2^spread,
-  each operand a 16-bit hi + lo pair, when every sub-chunk's spread in the K slab is at most
+  each operand a bf16 hi + lo pair (fp16 inputs too: bf16's range), when every sub-chunk's
+  spread in the K slab is at most
   `diag_spread`; otherwise summed in fp32 with the exact exponent (one exp per (r, s, d));
 - A by blocked forward substitution in fp32 (16 x 16 diagonal inverses, then block rows);
 - w and u as mma.sync products of A's 16-bit copy (fp32 accumulation).
@@ -48,6 +49,10 @@ _LN2 = math.log(2.0)
 _C = 64          # chunk
 _SL = 64         # K slab
 _NT = 128        # threads
+# the diagonal blocks' 16-bit operand pairs are bf16 for either input type: a bf16 pair
+# carries ~16 mantissa bits over bf16's exponent range, an fp16 pair's range caps the
+# decay spread at 2^8 (most fp16 slabs would take the exact fp32 path)
+_DIAG_DT = cutlass.BFloat16
 _DIAG_SLOTS = 5  # 136 (r, s <= r) pairs of a 16 x 16 diagonal block over 32 lanes
 
 _DTYPES = (cutlass.Float16, cutlass.BFloat16)
@@ -80,8 +85,8 @@ class KdaIntraAda:
         # (bounded: every row of k has |k_r| rk_r <= 2, as with l2norm or normalized inputs;
         # then bf16's right operands stay <= 2^111 and the left ones >= |k_rd rk_r| 2^-110, so
         # a safe gate's widest sub-chunk, 15 x 5 / ln 2 = 108, always takes the tensor cores)
-        self.diag_spread = 110.0 if dtype == cutlass.BFloat16 else 8.0
-        self.diag_spread_unbounded = 96.0 if dtype == cutlass.BFloat16 else 8.0
+        self.diag_spread = 110.0
+        self.diag_spread_unbounded = 96.0
 
     @staticmethod
     def can_implement(dtype, g_dtype, head_k, config: KdaIntraAdaConfig) -> bool:
@@ -119,7 +124,8 @@ class KdaIntraAda:
         # score blocks: 4 warps along the 64 rows, 16 columns (one sub-chunk)
         mma_s = cute.make_tiled_mma(op, (4, 1, 1), permutation_mnk=(64, 16, 16))
         # diagonal blocks: one warp, 16 x 16
-        mma_d = cute.make_tiled_mma(op, (1, 1, 1), permutation_mnk=(16, 16, 16))
+        mma_d = cute.make_tiled_mma(warp.MmaF16BF16Op(_DIAG_DT, cutlass.Float32, (16, 8, 16)),
+                                    (1, 1, 1), permutation_mnk=(16, 16, 16))
         # w, u: 2 x 2 warps over 64 x 64
         mma_w = cute.make_tiled_mma(op, (2, 2, 1), permutation_mnk=(32, 32, 16))
 
@@ -168,13 +174,19 @@ class KdaIntraAda:
         sRhs = st.r4.get_tensor(s16)                               # w / u: B operand
         sRhsT = cute.composition(sRhs, cute.make_layout((_SL, _C), stride=(_C, 1)))
         sAkk = st.r5.get_tensor(s32)
-        # pass 1 only: the low 16-bit parts of the diagonal blocks' left operands
-        sDk_lo = cute.make_tensor(cute.recast_ptr(sAkk.iterator, dtype=dt), s16)
-        sDq_lo = cute.make_tensor(cute.recast_ptr(sAkk.iterator, dtype=dt) + cute.cosize(s16), s16)
         # the inverse's block-row products (r4 is free between pass 1 and w)
         sX = cute.make_tensor(cute.recast_ptr(st.r4.get_tensor(s16).iterator, dtype=cutlass.Float32),
                               cute.make_layout((16, 48), stride=(48, 1)))
-        sE_lo = st.r6.get_tensor(s16)                             # diagonal right operands, low
+        # the diagonal blocks' operands (bf16 views of the same buffers): left hi in r3,
+        # right hi in r4, left lo in r5, right lo in r6
+        p3 = cute.recast_ptr(r3.iterator, dtype=_DIAG_DT)
+        p5 = cute.recast_ptr(st.r5.get_tensor(s32).iterator, dtype=_DIAG_DT)
+        sDk = cute.make_tensor(p3, s16)
+        sDq = cute.make_tensor(p3 + cute.cosize(s16), s16)
+        sE = cute.make_tensor(cute.recast_ptr(st.r4.get_tensor(s16).iterator, dtype=_DIAG_DT), s16)
+        sDk_lo = cute.make_tensor(p5, s16)
+        sDq_lo = cute.make_tensor(p5 + cute.cosize(s16), s16)
+        sE_lo = cute.make_tensor(cute.recast_ptr(st.r6.get_tensor(s16).iterator, dtype=_DIAG_DT), s16)
         # rq, rk, beta per row; column 3: the cumsum's half-chunk totals
         srow = st.srow.get_tensor(cute.make_layout((_C, 4), stride=(1, _C)))
         # [0], [1] per K slab: 1 when some diagonal block's decay spread is too wide for the
@@ -214,8 +226,8 @@ class KdaIntraAda:
             acc_qk[j].fill(0.0)
         # the diagonal blocks' tensor-core path: one warp per 16 x 16 block
         thr_d = mma_d.get_slice(lane)
-        s2r_da = cute.make_tiled_copy_A(ldsm(dt, False), mma_d)
-        s2r_db = cute.make_tiled_copy_B(ldsm(dt, False), mma_d)
+        s2r_da = cute.make_tiled_copy_A(ldsm(_DIAG_DT, False), mma_d)
+        s2r_db = cute.make_tiled_copy_B(ldsm(_DIAG_DT, False), mma_d)
         acc_dk = cute.make_rmem_tensor(thr_d.partition_shape_C((16, 16)), cutlass.Float32)
         acc_dq = cute.make_rmem_tensor(thr_d.partition_shape_C((16, 16)), cutlass.Float32)
         acc_dk.fill(0.0)
@@ -299,10 +311,10 @@ class KdaIntraAda:
                 # left k_r exp(G_r - G_f) <= 1, right k_s exp(G_f - G_s) <= 2^diag_spread,
                 # each operand as a 16-bit pair hi + lo (hi hi' + hi lo' + lo hi': a short
                 # sequence's few diagonal terms are not averaged by anything else)
-                tE = thr16.partition_D(sR)
+                tE = thr16.partition_D(sE)
                 tE_lo = thr16.partition_D(sE_lo)
-                tDk = thr16.partition_D(sLk)
-                tDq = thr16.partition_D(sLq)
+                tDk = thr16.partition_D(sDk)
+                tDq = thr16.partition_D(sDq)
                 tDk_lo = thr16.partition_D(sDk_lo)
                 tDq_lo = thr16.partition_D(sDq_lo)
                 for i in cutlass.range_constexpr(4):
@@ -314,23 +326,23 @@ class KdaIntraAda:
                     e = cute.math.exp2(gr - gf, fastmath=True)
                     xk = kv * e
                     xq = qv * e
-                    hk = xk.to(dt)
-                    hq = xq.to(dt)
+                    hk = xk.to(_DIAG_DT)
+                    hq = xq.to(_DIAG_DT)
                     _flat8(tDk[None, i, 0]).store(hk)
                     _flat8(tDq[None, i, 0]).store(hq)
-                    _flat8(tDk_lo[None, i, 0]).store((xk - hk.to(cutlass.Float32)).to(dt))
-                    _flat8(tDq_lo[None, i, 0]).store((xq - hq.to(cutlass.Float32)).to(dt))
+                    _flat8(tDk_lo[None, i, 0]).store((xk - hk.to(cutlass.Float32)).to(_DIAG_DT))
+                    _flat8(tDq_lo[None, i, 0]).store((xq - hq.to(cutlass.Float32)).to(_DIAG_DT))
                     xe = kv * cute.math.exp2(gf - gr, fastmath=True)
-                    he = xe.to(dt)
+                    he = xe.to(_DIAG_DT)
                     _flat8(tE[None, i, 0]).store(he)
-                    _flat8(tE_lo[None, i, 0]).store((xe - he.to(cutlass.Float32)).to(dt))
+                    _flat8(tE_lo[None, i, 0]).store((xe - he.to(cutlass.Float32)).to(_DIAG_DT))
                 cute.arch.sync_threads()
                 # warp w: its own 16 x 16 block
-                sDk_w = cute.local_tile(sLk, (16, _SL), (wid, 0))
-                sDq_w = cute.local_tile(sLq, (16, _SL), (wid, 0))
+                sDk_w = cute.local_tile(sDk, (16, _SL), (wid, 0))
+                sDq_w = cute.local_tile(sDq, (16, _SL), (wid, 0))
                 sDk_lo_w = cute.local_tile(sDk_lo, (16, _SL), (wid, 0))
                 sDq_lo_w = cute.local_tile(sDq_lo, (16, _SL), (wid, 0))
-                sE_w = cute.local_tile(sR, (16, _SL), (wid, 0))
+                sE_w = cute.local_tile(sE, (16, _SL), (wid, 0))
                 sE_lo_w = cute.local_tile(sE_lo, (16, _SL), (wid, 0))
                 self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dk, sDk_w, sE_w)
                 self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dq, sDq_w, sE_w)

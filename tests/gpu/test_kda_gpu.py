@@ -103,8 +103,8 @@ def test_chain_kernel_matches_its_contract(dtype, dk, dv):
 def test_intra_kernel_matches_its_contract(dtype, dk, dv, gate):
     """Every output poisoned first; chunks of 64, 36, 1 and 0 rows' worth of padding. The
     "strong" log decay (down to -12 per token) spreads a 16-token sub-chunk past what the
-    tensor-core diagonal path takes, so its diagonal blocks run the exact fp32 path (fp16
-    takes that path for most gates; bf16 only for wide spreads)."""
+    tensor-core diagonal path takes, so its diagonal blocks run the exact fp32 path (the
+    other gates take the bf16 hi + lo pairs, for fp16 inputs too)."""
     h = 2
     cu = [0, 100, 101, 229]
     t = cu[-1]
