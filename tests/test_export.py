@@ -140,6 +140,21 @@ def test_kda_intra_code_fits_the_instruction_cache(exported):
     assert not big, f"kda_intra variants outside 1k..9k SASS instructions: {big}"
 
 
+def test_kda_chain_waits_for_its_second_half_late(exported):
+    """Each chunk step of the KDA chain kernel waits at its top for the first cp.async group
+    only (w, qg, u: `DEPBAR.LE SB0, 0x1`) and for the second (Aqk, kg, exp(Gamma)) after
+    v_new: waiting for both at the top put a memory latency into every step (chain 0.37 ->
+    0.27 ms at 1 x 8192 H = 64 on the H200, perf/NOTES.md, 25th session)."""
+    import re
+    out, manifest = exported
+    chains = [e for e in manifest["kernels"] if e["op"] == "kda_chain"]
+    assert chains
+    for e in chains:
+        sass = (out / e["object"]).with_suffix(".sass").read_text()
+        waits = re.findall(r"DEPBAR\.LE\s+SB0,\s*0x([0-9a-f]+)", sass)
+        assert "1" in waits and "0" in waits, f"{e['prefix']}: cp.async waits {waits}"
+
+
 def test_lce_sm90_phases_overlap_through_pdl(exported):
     """The sm_90a user phase lets the candidate phase launch early (PREEXIT = griddepcontrol
     .launch_dependents) and the candidate phase waits for it before reading the addend
