@@ -63,8 +63,12 @@ def resolve_key(op: str, dtypes: dict, flags: dict, device=None, design=None):
 @functools.lru_cache(maxsize=256)
 def _cached_function(op, dt, fl, device, env, design=None) -> KernelFunction:
     arch = target_arch(device)
-    if design is not None and design not in DESIGNS_FOR_ARCH[arch]:
-        raise ValueError(f"design {design!r} cannot run on {arch} (choices: {DESIGNS_FOR_ARCH[arch]})")
+    if design is not None:
+        from .registry import OPS
+        hosted = tuple(DESIGNS_FOR_ARCH[arch]) + tuple(
+            d for d in (OPS[op].designs_on(arch) if op in OPS else ()) if d not in DESIGNS_FOR_ARCH[arch])
+        if design not in hosted:
+            raise ValueError(f"design {design!r} cannot run on {arch} (choices: {hosted})")
     design = design or target_design(arch)
     root = env[2]
     if root:

@@ -3,7 +3,9 @@
 Status (kernels/CONTRACT_KDA.md): two CuTe DSL kernels of the Ada design (they also build
 for sm_90a and run on the H200): the intra-chunk stage (kernels/ada/kda_intra.py, one CTA
 per (chunk, head)) and the chain (kernels/ada/kda_chain.py, one CTA per (sequence, head, 64
-columns of V)). No sm90 (WGMMA) or sm100 build yet: on SM100 the op raises. The call mirrors
+columns of V)). No sm90 (WGMMA) or sm100 (tcgen05) design yet: SM100 gets the Ada design's
+kernels built for sm_100a / sm_103a (compiled and SASS-checked; never run, no SM100 GPU
+here). The call mirrors
 ``fla.ops.kda.chunk_kda`` (same argument names, order and defaults, so it can stand in for it):
 
     chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -392,11 +394,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                         cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first)
     if not q.is_cuda:
         raise _err("q", f"must be a CUDA tensor, got {q.device}")
-    from .arch import DESIGNS_FOR_ARCH, target_arch
+    from .arch import target_arch
+    from .registry import OPS
     arch = target_arch(q.device)
-    if "ada" not in DESIGNS_FOR_ARCH[arch]:
-        raise NotImplementedError(f"chunk_kda: no KDA kernels for {arch} yet (the Ada design "
-                                  f"runs on sm_80, sm_89 and sm_90a)")
+    if "ada" not in OPS["kda_intra"].designs_on(arch):
+        raise NotImplementedError(f"chunk_kda: no KDA kernels for {arch}")
     beta, initial_state, beta_sigmoid = _compat_inputs(
         beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
     o, ht = _kda_op(q, k, v, g, beta, scale, initial_state, bool(output_final_state),

@@ -60,9 +60,17 @@ class OpSpec:
     make: object  # callable(kernel_class, dsl dtypes {role: type}, flags {name: value}, config)
     doc: str = ""
     design_variants: tuple = ()  # ((design, variants), ...): overrides ``variants`` there
+    # ((design, (arch, ...)), ...): arches beyond DESIGNS_FOR_ARCH that build this op's design
+    # (an op without a design of an arch's own serves it with one that compiles there)
+    extra_arches: tuple = ()
 
     def variants_for(self, design: str) -> tuple:
         return dict(self.design_variants).get(design, self.variants)
+
+    def designs_on(self, arch: str) -> tuple:
+        """The op's designs built for ``arch``, in DESIGNS_FOR_ARCH's order, then extras."""
+        own = tuple(d for d in DESIGNS_FOR_ARCH[arch] if d in self.designs)
+        return own + tuple(d for d, arches in self.extra_arches if arch in arches and d not in own)
 
     def has_flag(self, design: str, flag: str) -> bool:
         """Whether the design's variants carry `flag` (a design-specific build choice)."""
@@ -199,8 +207,10 @@ OPS: dict = {
     "kda_chain": OpSpec(
         name="kda_chain",
         abi=_abi.kda_chain_abi,
-        # the Ada design only so far (it also builds for sm_90a); sm90 / sm100: not yet
+        # the Ada design only so far (it also builds for sm_90a); sm90 / sm100: not yet, so
+        # SM100 gets the Ada design's build (mma.sync and cp.async run there; never run here)
         designs={"ada": DesignImpl("kernels.ada.kda_chain", "KdaChainAda", "KdaChainAdaConfig")},
+        extra_arches=(("ada", ("sm_100a", "sm_103a")),),
         variants=tuple(((("dtype", dt),), (("head_k", d),))
                        for dt in ("float16", "bfloat16") for d in (64, 128)),
         make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["head_k"], cfg),
@@ -210,6 +220,7 @@ OPS: dict = {
         name="kda_intra",
         abi=_abi.kda_intra_abi,
         designs={"ada": DesignImpl("kernels.ada.kda_intra", "KdaIntraAda", "KdaIntraAdaConfig")},
+        extra_arches=(("ada", ("sm_100a", "sm_103a")),),
         # g: the gate input's dtype (fp32, or the inputs' own: no cast pass over a bf16 gate)
         variants=tuple(((("dtype", dt), ("g", gd)), (("head_k", d),))
                        for dt in ("float16", "bfloat16") for gd in ("float32", dt)
@@ -238,9 +249,7 @@ def all_keys(arches, with_config=True, overrides=None, ops=None) -> list:
         for op in OPS.values():
             if ops is not None and op.name not in ops:
                 continue
-            for design in DESIGNS_FOR_ARCH[arch]:
-                if design not in op.designs:
-                    continue
+            for design in op.designs_on(arch):
                 cfg = default_config(op.name, design) if with_config else ()
                 if overrides and design in overrides:
                     unknown = set(overrides[design]) - {k for k, _ in cfg}

@@ -6,7 +6,8 @@ against our float64 reference (cutekern.reference.kda_reference).
 Per case, eager calls and CUDA-graph replays of both ops (ratio = peer / ours, graph
 replays), and our two kernels alone as graph replays on their inputs: ck_intra_ms, ck_chain_ms
 (the chain's FLOPs, ~1.15e5 per token per head at K = V = 128, and the bytes it reads give
-its TFLOP/s and GB/s).
+its TFLOP/s and GB/s). Where the op splits long chains across CTAs (chain_piece > 0), the op
+with every chain whole is timed too (ck_graph_unsplit_ms).
 
 Inputs as the spec draws them: q, k randn then L2-normalized (bf16), raw gate randn with
 the safe gate in the kernel (A_log = rand(H), dt_bias = rand(H, K), lower_bound = -5),
@@ -209,6 +210,10 @@ def main():
         row["ck_ms"] = time_ms(lambda: run_ours(p), reps=args.reps)
         tog = time_graph_ms(lambda: run_ours(p), reps=args.reps)
         row.update(ck_graph_ms=tog, ck_graph_tflops=FLOP_PER_TOKEN_HEAD * tokens * h / tog / 1e9)
+        if row.get("chain_piece"):   # the same op with every chain whole, for the split's gain
+            ck_kda.SPLIT_LONG_CHAINS = False
+            row["ck_graph_unsplit_ms"] = time_graph_ms(lambda: run_ours(p), reps=args.reps)
+            ck_kda.SPLIT_LONG_CHAINS = True
         if chunk_kda is not None:
             t = time_ms(lambda: run_peer(chunk_kda, p), reps=args.reps)
             row.update(fla_ms=t, fla_tflops=FLOP_PER_TOKEN_HEAD * tokens * h / t / 1e9)

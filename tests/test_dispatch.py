@@ -105,3 +105,17 @@ def test_lce_narrow_user_build_choice():
     assert narrow(100, 1, 50 * 2)                # one tile either way, a narrower WGMMA
     flags = pick_lce_function(lookup, False, 449, True, True, 31, 256, None, 0).flags
     assert flags == {"has_addend": False, "narrow": False, "wide": True}  # 310 CTAs: wide pick
+
+
+def test_sm100_hosts_the_ada_design_only_for_kda(monkeypatch):
+    """KDA has no sm100 design: SM100 dispatches its Ada design's build (an op's own choice);
+    any other op asking for the Ada design on SM100 is refused, naming the choices."""
+    from cutekern.dispatch import _cached_function, get_function
+    from cutekern.registry import OPS
+    monkeypatch.setenv("CUTEKERN_ARCH", "sm_100a")
+    assert OPS["kda_intra"].designs_on("sm_100a") == ("ada",)
+    assert OPS["lce_gemm"].designs_on("sm_100a") == ("sm100",)
+    _cached_function.cache_clear()
+    with pytest.raises(ValueError, match=r"design 'ada' cannot run on sm_100a \(choices: \('sm100',\)\)"):
+        get_function("lce_gemm", {"ab": "bfloat16", "c": "bfloat16"}, {"has_addend": True},
+                     design="ada")

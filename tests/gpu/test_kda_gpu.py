@@ -9,14 +9,15 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cutekern import kda
-from cutekern.arch import DESIGNS_FOR_ARCH, target_arch
+from cutekern.arch import target_arch
+from cutekern.registry import OPS
 from cutekern.reference import kda_chain_packed, kda_intra_packed, kda_reference
 
 # the tile emulation of the contract measured 2.8-2.9e-3 (bf16) / 3.6e-4 (fp16) rel L2
 REL_L2 = {torch.bfloat16: 6e-3, torch.float16: 1.5e-3}
 
-pytestmark = pytest.mark.skipif("ada" not in DESIGNS_FOR_ARCH[target_arch()],
-                                reason="the KDA chain is built for the Ada design only so far")
+pytestmark = pytest.mark.skipif("ada" not in OPS["kda_intra"].designs_on(target_arch()),
+                                reason="no KDA kernels for this arch")
 
 
 def rel_l2(x, ref):
