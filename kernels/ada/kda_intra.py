@@ -17,8 +17,8 @@ end have q = k = v = beta = g = 0.) Every decay factor a tile sees is bounded:
 - diagonal blocks (s <= r in one sub-chunk) are one mma.sync product per warp, split at the
   sub-chunk's first token f: (k_r exp(G_r - G_f)) <= 1 times (k_s exp(G_f - G_s)) <= 2^spread,
   each operand a bf16 hi + lo pair (fp16 inputs too: bf16's range), when every sub-chunk's
-  spread in the K slab is at most
-  `diag_spread`; otherwise summed in fp32 with the exact exponent (one exp per (r, s, d));
+  spread in the K slab is at most `diag_spread`; otherwise summed in fp32 with the exact
+  exponent (one exp per (r, s, d));
 - A by blocked forward substitution in fp32 (16 x 16 diagonal inverses, then block rows);
 - w and u as mma.sync products of A's 16-bit copy (fp32 accumulation).
 G of all K columns is computed once, on all threads (g's rows as 16-byte vectors, then a
@@ -81,7 +81,7 @@ class KdaIntraAda:
         self.config = config
         # largest decay (log2 units) over a 16-token sub-chunk for which the diagonal blocks
         # go to the tensor cores: the right factor exp2(G_first - G_s) then stays far inside
-        # the operand type's range (bf16: 2^127, fp16: 2^15); wider spreads: exact fp32
+        # the bf16 operand pairs' range (2^127, for fp16 inputs too); wider spreads: exact fp32
         # (bounded: every row of k has |k_r| rk_r <= 2, as with l2norm or normalized inputs;
         # then bf16's right operands stay <= 2^111 and the left ones >= |k_rd rk_r| 2^-110, so
         # a safe gate's widest sub-chunk, 15 x 5 / ln 2 = 108, always takes the tensor cores)
