@@ -372,6 +372,37 @@ def _model_chain(num_rows):
     return chain
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 700), min_size=1, max_size=6), st.booleans(),
+       st.integers(1, 5))
+def test_chain_split_tables_refine_the_whole_chain_tables(lens, varlen, piece):
+    """The split's chain runs over the intra stage's chunks as they are (no repacking): the
+    pieces' chunk table is the whole sequences' table row for row, their chunk offsets refine
+    the sequences' offsets, and each sequence's first / last piece bound exactly its chunks
+    (0-token sequences keep one empty piece). Batch rows (B > 1) and varlen (B = 1)."""
+    from cutekern.kda import _chunk_table, _split_bounds
+    from cutekern.reference import kda_segments
+    if varlen:
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        bsz, t = 1, max(cu[-1], 1)
+        bounds = kda_segments(bsz, t, cu if cu[-1] else None) if cu[-1] else [(0, 0, 0)]
+    else:
+        bsz, t = len(lens), max(lens[0], 1)
+        bounds = kda_segments(bsz, t, None)
+    table, cu_rows, cu_chunks = _chunk_table(bounds, t)
+    pbounds, first = _split_bounds(bounds, piece)
+    ptable, pcu_rows, pcu_chunks = _chunk_table(pbounds, t)
+    assert torch.equal(ptable, table)
+    assert set(cu_chunks.tolist()) <= set(pcu_chunks.tolist())
+    assert set(cu_rows.tolist()) <= set(pcu_rows.tolist())
+    assert len(first) == len(bounds) + 1 and first[-1] == len(pbounds)
+    for n in range(len(bounds)):
+        assert pcu_chunks[first[n]] == cu_chunks[n] and pcu_chunks[first[n + 1]] == cu_chunks[n + 1]
+        assert all(int(pcu_chunks[p + 1] - pcu_chunks[p]) <= piece for p in range(first[n], first[n + 1]))
+
+
 def test_chain_split_plan():
     """Pieces only where a few long sequences would leave the GPU idle (132 SMs) and three
     passes over the data beat the unsplit chain: the spec's 65536-token cases split into 16 /
