@@ -401,7 +401,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         raise NotImplementedError(f"chunk_kda: no KDA kernels for {arch}")
     beta, initial_state, beta_sigmoid = _compat_inputs(
         beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
-    o, ht = _kda_op(q, k, v, g, beta, scale, initial_state, bool(output_final_state),
+    # eager calls skip the custom op's dispatch (about half of the host time of a call on a
+    # CPU box); torch.compile traces the registered op
+    run = _kda_op if torch.compiler.is_compiling() else _kda_impl
+    o, ht = run(q, k, v, g, beta, scale, initial_state, bool(output_final_state),
                     bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(beta_sigmoid),
                     A_log, dt_bias, None if lower_bound is None else float(lower_bound),
                     list(pb.offsets))
@@ -439,6 +442,12 @@ def _kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             output_final_state: bool, l2norm: bool, gate_in_kernel: bool, beta_sigmoid: bool,
             A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None,
             cu_seqlens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kda_impl(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm,
+                     gate_in_kernel, beta_sigmoid, A_log, dt_bias, lower_bound, cu_seqlens)
+
+
+def _kda_impl(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm,
+              gate_in_kernel, beta_sigmoid, A_log, dt_bias, lower_bound, cu_seqlens):
     bsz, t, h, dk = q.shape
     dv = v.shape[-1]
     bounds = kda_segments(bsz, t, cu_seqlens)

@@ -503,3 +503,19 @@ def test_state_v_first_shape_is_checked():
     check_kda_args(q, k, v, g, beta, initial_state=s0.transpose(-1, -2).contiguous(), state_v_first=True)
     with pytest.raises(ValueError, match=r"'initial_state'.*\[N, H, V, K\]"):
         check_kda_args(q, k, v, g, beta, initial_state=s0, state_v_first=True)
+
+
+def test_registered_op_fake_shapes():
+    """torch.compile traces chunk_kda through the registered op (eager calls skip its
+    dispatch): its fake gives o like v and the final state [N, H, K, V] fp32 (0 rows when not
+    asked for)."""
+    import cutekern.kda  # noqa: F401 - registers the op
+    m = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731
+    q, v, beta = m(1, 300, 3, 128), m(1, 300, 3, 64), m(1, 300, 3)
+    o, ht = torch.ops.cutekern.chunk_kda(q, q, v, q, beta, None, None, True, True, False, False,
+                                         None, None, None, [0, 100, 300])
+    assert o.shape == v.shape and o.dtype == v.dtype
+    assert ht.shape == (2, 3, 128, 64) and ht.dtype == torch.float32
+    _, ht0 = torch.ops.cutekern.chunk_kda(q, q, v, q, beta, None, None, False, True, False, False,
+                                          None, None, None, [])
+    assert ht0.shape == (0, 3, 128, 64)

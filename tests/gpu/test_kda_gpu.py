@@ -198,6 +198,21 @@ def test_op_bf16_gate_input():
              safe_gate=True, lower_bound=-3.0, use_qk_l2norm_in_kernel=True)
 
 
+def test_registered_op_matches_the_eager_call():
+    """Eager chunk_kda calls skip the custom op's dispatch; torch.compile traces the registered
+    op (torch.ops.cutekern.chunk_kda). Both run the same implementation: same bits, varlen
+    with an initial state."""
+    cu = [0, 150, 151, 300]
+    q, k, v, g, beta = make(1, cu[-1], 2, 128, 128, torch.bfloat16, 41)
+    h0 = torch.randn(len(cu) - 1, 2, 128, 128, device="cuda")
+    cu_t = torch.tensor(cu, dtype=torch.int64, device="cuda")
+    o, ht = kda.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                          cu_seqlens=cu_t, use_qk_l2norm_in_kernel=True)
+    o2, ht2 = torch.ops.cutekern.chunk_kda(q, k, v, g, beta, None, h0, True, True, False, False,
+                                           None, None, None, cu)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+
+
 def test_op_graph_replay_with_new_contents():
     """A captured call replays on new inputs written into the same buffers."""
     cu = [0, 70, 71, 200]
