@@ -1,6 +1,7 @@
 """Targets and dispatch. Import-light: no DSL, no torch at import time."""
 from __future__ import annotations
 
+import functools
 import os
 
 # every target we export, and the kernel design that serves it by default
@@ -44,6 +45,13 @@ def target_arch(device=None) -> str:
         raise RuntimeError(f"cutekern: no CUDA device; set {ENV_ARCH} to trace a target")
     major, minor = torch.cuda.get_device_capability(device)
     return arch_from_capability(major, minor)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device) -> int:
+    """SMs of a CUDA device (index or torch.device; cached: asked on call paths)."""
+    import torch
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def target_design(arch: str) -> str:

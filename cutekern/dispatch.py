@@ -65,8 +65,7 @@ def _cached_function(op, dt, fl, device, env, design=None) -> KernelFunction:
     arch = target_arch(device)
     if design is not None:
         from .registry import OPS
-        hosted = tuple(DESIGNS_FOR_ARCH[arch]) + tuple(
-            d for d in (OPS[op].designs_on(arch) if op in OPS else ()) if d not in DESIGNS_FOR_ARCH[arch])
+        hosted = DESIGNS_FOR_ARCH[arch] + (OPS[op].extra_designs_on(arch) if op in OPS else ())
         if design not in hosted:
             raise ValueError(f"design {design!r} cannot run on {arch} (choices: {hosted})")
     design = design or target_design(arch)

@@ -18,6 +18,7 @@ import os
 import torch
 
 from ._checks import check_rows16
+from .arch import sm_count
 from .dispatch import env_key
 from .reference import pad_k
 from .runtime import _raw_stream
@@ -245,7 +246,7 @@ def _lce_function_cached(ab, c, has_addend, m, device, env, batch, n, cand_tiles
     design = target_design(target_arch(device))
     sms = None  # a CPU box tracing another arch: the config's grid bound
     if torch.cuda.is_available():
-        sms = _sm_count(torch.cuda.current_device() if device is None else device)
+        sms = sm_count(torch.cuda.current_device() if device is None else device)
     return pick_lce_function(
         lambda fl: get_function("lce_gemm", {"ab": ab, "c": c}, fl, device), has_addend, m,
         OPS["lce_gemm"].has_flag(design, "wide"), OPS["lce_gemm"].has_flag(design, "narrow"),
@@ -409,11 +410,6 @@ def _attn_scale(scale):
     return scale
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 class AttentionPlan:
     """IKBO attention for one batch structure, resolved once (plan/run, as in FlashInfer).
 
@@ -449,7 +445,7 @@ class AttentionPlan:
                                kv_len)
         self._scale_t = torch.full((1,), scale, dtype=torch.float32, device=q.device)
         self._lse_scratch = torch.empty(b * n_seed, h, dtype=torch.float32, device=q.device)
-        self._num_ctas = min(self.work.shape[0] * h, _sm_count(q.device.index))
+        self._num_ctas = min(self.work.shape[0] * h, sm_count(q.device.index))
 
     def run(self, q, k, v, out=None, return_lse=False):
         """out [B, n_seed, H, D] (and the fp32 LSE [B, H, n_seed] with return_lse)."""

@@ -405,9 +405,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     # CPU box); torch.compile traces the registered op
     run = _kda_op if torch.compiler.is_compiling() else _kda_impl
     o, ht = run(q, k, v, g, beta, scale, initial_state, bool(output_final_state),
-                    bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(beta_sigmoid),
-                    A_log, dt_bias, None if lower_bound is None else float(lower_bound),
-                    list(pb.offsets))
+                bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(beta_sigmoid),
+                A_log, dt_bias, None if lower_bound is None else float(lower_bound),
+                list(pb.offsets))
     if not output_final_state:
         return o, None
     return o, (ht.transpose(-1, -2).contiguous() if state_v_first else ht)
@@ -431,9 +431,12 @@ def _piece_tables(bounds: tuple, piece: int, seqlen: int, device: torch.device):
     return first, cu_rows, cu_chunks, last
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+@functools.lru_cache(maxsize=64)
+def _chain_piece(bounds: tuple, heads: int, head_k: int, head_v: int, device: torch.device) -> int:
+    """`chain_pieces` for a batch layout (cached like `_device_tables`: off the call path)."""
+    from .arch import sm_count
+    return chain_pieces([-(-(s1 - s0) // CHUNK) for _, s0, s1 in bounds], heads, head_v,
+                        sm_count(device), head_k=head_k)
 
 
 @torch.library.custom_op("cutekern::chunk_kda", mutates_args=())
@@ -464,10 +467,7 @@ def _kda_impl(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm
         packed = _intra(q, k, v, g, beta, table, scale=scale, l2norm=l2norm,
                         beta_sigmoid=beta_sigmoid, gate_mode=gate_mode, a_log=a_log,
                         dt_bias=dtb, lower_bound=lower_bound)
-        piece = 0
-        if SPLIT_LONG_CHAINS:
-            piece = chain_pieces([-(-(s1 - s0) // CHUNK) for _, s0, s1 in bounds], h, dv,
-                                 _sm_count(dev), head_k=dk)
+        piece = _chain_piece(tuple(bounds), h, dk, dv, dev) if SPLIT_LONG_CHAINS else 0
         if piece:
             first, cu_rows_p, cu_chunks_p, last = _piece_tables(tuple(bounds), piece, t, dev)
             _split_chain(_chain, packed, cu_rows_p, cu_chunks_p, first, last, initial_state, o, ht)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .reference import Qwen3Config
+from .reference import Qwen3Config, w4a16_bytes
 
 TILE = 128   # outputs per linear task (one head of q / k / v)
 
@@ -32,10 +32,6 @@ class ScheduleError(ValueError):
     pass
 
 
-def _w4_bytes(out, inp, group=128):
-    return out * inp // 2 + (out * inp // group) * 2
-
-
 def decode_dag(cfg: Qwen3Config, *, quant_head=False):
     """The tasks of one decode step in a topological order. Linear tiles fuse what they
     need of the vector before them (the RMSNorm of the residual, SiLU(gate) * up), so a
@@ -47,21 +43,21 @@ def decode_dag(cfg: Qwen3Config, *, quant_head=False):
                          f"multiples of it, got {cfg}")
     tasks, prev = [], ()
     for layer in range(cfg.layers):
-        qkv = [Task(f"L{layer}.qkv{t}", "qkv", layer, prev, _w4_bytes(TILE, d))
+        qkv = [Task(f"L{layer}.qkv{t}", "qkv", layer, prev, w4a16_bytes(TILE * d))
                for t in range(hq + 2 * hk)]
         rep = hq // hk
         attn = [Task(f"L{layer}.attn{h}", "attn", layer,
                      tuple(qkv[j].name for j in range(h * rep, (h + 1) * rep))
                      + (qkv[hq + h].name, qkv[hq + hk + h].name), 0) for h in range(hk)]
         o = [Task(f"L{layer}.o{t}", "o", layer, tuple(a.name for a in attn),
-                  _w4_bytes(TILE, hq * hd)) for t in range(d // TILE)]
+                  w4a16_bytes(TILE * hq * hd)) for t in range(d // TILE)]
         gu = [Task(f"L{layer}.gateup{t}", "gateup", layer, tuple(x.name for x in o),
-                   2 * _w4_bytes(TILE, d)) for t in range(f // TILE)]
+                   2 * w4a16_bytes(TILE * d)) for t in range(f // TILE)]
         down = [Task(f"L{layer}.down{t}", "down", layer, tuple(x.name for x in gu),
-                     _w4_bytes(TILE, f)) for t in range(d // TILE)]
+                     w4a16_bytes(TILE * f)) for t in range(d // TILE)]
         tasks += qkv + attn + o + gu + down
         prev = tuple(x.name for x in down)
-    head_bytes = _w4_bytes(TILE, d) if quant_head else TILE * d * 2
+    head_bytes = w4a16_bytes(TILE * d) if quant_head else TILE * d * 2
     tasks += [Task(f"head{t}", "head", -1, prev, head_bytes) for t in range(-(-cfg.vocab // TILE))]
     return tasks
 

@@ -461,6 +461,25 @@ class Qwen3Config:
     rope_theta: float = 1e6
 
 
+def w4a16_nibbles(qweight):
+    """GPTQ's qweight int32 [K / 8, N] -> the 4-bit codes int64 [K, N] (0..15)."""
+    k8, n = qweight.shape
+    bits = qweight.to(torch.int64) & 0xFFFFFFFF
+    return torch.stack([(bits >> (4 * j)) & 0xF for j in range(8)], dim=1).reshape(8 * k8, n)
+
+
+def pack_nibbles(codes):
+    """4-bit codes int64 [..., 8] -> int32 [...] with code i at bits 4i (two's-complement
+    view of the 32-bit word)."""
+    word = (codes << (4 * torch.arange(8, device=codes.device))).sum(-1)
+    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+
+
+def w4a16_bytes(weights, group=128, scale_bytes=2):
+    """Bytes of `weights` W4A16 weights: half a byte each plus a 16-bit scale per group."""
+    return weights // 2 + (weights // group) * scale_bytes
+
+
 def w4a16_quantize(w, group=128):
     """W4A16 storage as GPTQ keeps it (symmetric, zero point 8): w [N, K] (out, in) ->
     qweight int32 [K / 8, N] (k's nibble at bits 4 (k % 8) of row k // 8), scales [K / group,
@@ -472,20 +491,12 @@ def w4a16_quantize(w, group=128):
     wg = w.double().reshape(n, k // group, group)
     scale = (wg.abs().amax(-1) / 7.0).clamp_min(1e-12).to(w.dtype)          # [N, K / group]
     q = torch.round(wg / scale.double()[..., None]).clamp(-8, 7).to(torch.int64) + 8
-    q = q.reshape(n, k // 8, 8)
-    packed = torch.zeros(n, k // 8, dtype=torch.int64)
-    for j in range(8):
-        packed |= q[..., j] << (4 * j)
-    packed = torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed)      # as int32 bits
-    return packed.to(torch.int32).t().contiguous(), scale.t().contiguous()
+    return pack_nibbles(q.reshape(n, k // 8, 8)).t().contiguous(), scale.t().contiguous()
 
 
 def w4a16_dequantize(qweight, scales, group=128, dtype=torch.float64):
     """The W4A16 weight [N, K] in ``dtype`` (the inverse of w4a16_quantize's storage)."""
-    k8, n = qweight.shape
-    bits = qweight.to(torch.int64) & 0xFFFFFFFF
-    q = torch.stack([(bits >> (4 * j)) & 0xF for j in range(8)], dim=1)    # [K / 8, 8, N]
-    q = q.reshape(k8 * 8, n).to(dtype) - 8.0
+    q = w4a16_nibbles(qweight).to(dtype) - 8.0
     return (q * scales.to(dtype).repeat_interleave(group, dim=0)).t()
 
 
@@ -610,7 +621,7 @@ def decode_weight_bytes(cfg: Qwen3Config, *, quant_layers, quant_head, group=128
     per weight plus a 16-bit scale per group."""
     d, hq, hk, hd, f = cfg.hidden, cfg.q_heads, cfg.kv_heads, cfg.head_dim, cfg.intermediate
     lin = d * hq * hd + 2 * d * hk * hd + hq * hd * d + 3 * d * f
-    w4 = lambda n: n // 2 + (n // group) * act_bytes                       # noqa: E731
+    w4 = lambda n: w4a16_bytes(n, group, act_bytes)                        # noqa: E731
     per_layer = (w4(lin) if quant_layers else lin * act_bytes) + (2 * d + 2 * hd) * act_bytes
     head = cfg.vocab * d
     return (cfg.layers * per_layer + d * act_bytes + d * act_bytes

@@ -67,10 +67,15 @@ class OpSpec:
     def variants_for(self, design: str) -> tuple:
         return dict(self.design_variants).get(design, self.variants)
 
+    def extra_designs_on(self, arch: str) -> tuple:
+        """The op's designs built for ``arch`` beyond the arch's own (``extra_arches``)."""
+        return tuple(d for d, arches in self.extra_arches
+                     if arch in arches and d not in DESIGNS_FOR_ARCH[arch])
+
     def designs_on(self, arch: str) -> tuple:
         """The op's designs built for ``arch``, in DESIGNS_FOR_ARCH's order, then extras."""
-        own = tuple(d for d in DESIGNS_FOR_ARCH[arch] if d in self.designs)
-        return own + tuple(d for d, arches in self.extra_arches if arch in arches and d not in own)
+        return (tuple(d for d in DESIGNS_FOR_ARCH[arch] if d in self.designs)
+                + self.extra_designs_on(arch))
 
     def has_flag(self, design: str, flag: str) -> bool:
         """Whether the design's variants carry `flag` (a design-specific build choice)."""

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .reference import pack_nibbles, w4a16_nibbles
+
 TILE = 16
 SCALE_DTYPES = (torch.float16, torch.bfloat16)
 # nibble i of a lane's word: (k offset beyond 2t, n offset beyond g)
@@ -87,12 +89,8 @@ def prepare_w4a16(qweight: torch.Tensor, scales: torch.Tensor, group: int = 128)
     if tuple(scales.shape) != (k // group, n):
         raise _err("scales", f"must be [K / group, N] = [{k // group}, {n}], got "
                              f"{tuple(scales.shape)}")
-    bits = qweight.to(torch.int64) & 0xFFFFFFFF
-    nib = torch.stack([(bits >> (4 * j)) & 0xF for j in range(8)], dim=1).reshape(k, n)
+    nib = w4a16_nibbles(qweight)                                               # [K, N]
     tiles = nib.reshape(k // TILE, TILE, n // TILE, TILE).permute(2, 0, 1, 3)  # [NT, KT, k, n]
     kk, nn = fragment_index(qweight.device)
-    vals = tiles[:, :, kk, nn]                                                 # [NT, KT, 32, 8]
-    shifts = 4 * torch.arange(8, device=qweight.device)
-    word = (vals << shifts).sum(-1)
-    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
-    return W4A16Weight(word.contiguous(), scales, k, n, group)
+    packed = pack_nibbles(tiles[:, :, kk, nn])                                 # [NT, KT, 32]
+    return W4A16Weight(packed.contiguous(), scales, k, n, group)
