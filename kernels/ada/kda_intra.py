@@ -56,6 +56,11 @@ _DIAG_DT = cutlass.BFloat16
 _DIAG_SLOTS = 5  # 136 (r, s <= r) pairs of a 16 x 16 diagonal block over 32 lanes
 
 _DTYPES = (cutlass.Float16, cutlass.BFloat16)
+# G's order inside a 64-column slab of a row (column 8 c + 4 h + e -> place 32 h + 4 c + e):
+# a thread's 8 columns are two 16-byte pieces 128 bytes apart, so one load instruction of the
+# 8 threads on a row covers all 32 banks once (`_slab_col` is the inverse)
+_G_SLAB_SHAPE = (4, 2, 8)
+_G_SLAB_STRIDE = (1, 32, 4)
 
 
 @dataclass(frozen=True)
@@ -164,7 +169,11 @@ class KdaIntraAda:
         sK = cute.make_tensor(r1.iterator + cute.cosize(s16), s16)
         sAbf = cute.make_tensor(r1.iterator, s16)                  # after: A's 16-bit copy
         sOut = cute.make_tensor(r1.iterator + cute.cosize(s16), s16)   # w / u staging
-        sG = st.r2.get_tensor(cute.make_layout((_C, K), stride=(K, 1)))   # G, log2 domain
+        # G, log2 domain. A 64-column slab of a row is stored as [half][vector][4]: column
+        # 8 c + 4 h + e at 32 h + 4 c + e, so the 8 threads reading one row (8 columns each,
+        # two 16-byte loads) cover 128 contiguous bytes per load instruction; stored in column
+        # order they spanned 256 bytes: 2-way bank conflicts on every G vector (ncu)
+        sG = st.r2.get_tensor(cute.make_layout((_C, (*_G_SLAB_SHAPE, NS)), stride=(K, (*_G_SLAB_STRIDE, _SL))))
         r3 = st.r3.get_tensor(s32)
         sLk = cute.make_tensor(cute.recast_ptr(r3.iterator, dtype=dt), s16)
         sLq = cute.make_tensor(cute.recast_ptr(r3.iterator, dtype=dt) + cute.cosize(s16), s16)
@@ -263,7 +272,7 @@ class KdaIntraAda:
             tqg = thr16.partition_D(cute.local_tile(qg[c, h, None, None], (_C, _SL), (0, sl)))
             for i in cutlass.range_constexpr(4):
                 r = tc[0, i, 0][0]
-                gr = self._vec(thr32, sGs, i).load()
+                gr = self._gvec(thr32, sGs, i)
                 gl = self._row_vec(sGs, _C - 1, tc[0, i, 0][1])
                 kv = self._vec(thr16, sK, i).load().to(cutlass.Float32) * srow[r, 1]
                 qv = self._vec(thr16, sQ, i).load().to(cutlass.Float32) * srow[r, 0]
@@ -279,7 +288,7 @@ class KdaIntraAda:
             for i in cutlass.range_constexpr(3):
                 r = tc[0, i, 0][0]
                 kv = self._vec(thr16, sK, i).load().to(cutlass.Float32)
-                gr = self._vec(thr32, sGs, i).load()
+                gr = self._gvec(thr32, sGs, i)
                 gb = self._row_vec(sGs, 16 * (i + 1), tc[0, i, 0][1])
                 x = kv * srow[r, 1] * cute.math.exp2(gb - gr, fastmath=True)
                 _flat8(tR[None, i, 0]).store(x.to(dt))
@@ -287,23 +296,23 @@ class KdaIntraAda:
                 # left operands for column block j: rows of sub-chunks > j
                 tLk = thr16.partition_D(sLk)
                 tLq = thr16.partition_D(sLq)
+                # (rows of sub-chunks <= j are left unwritten: warp w multiplies rows 16 w..,
+                # and warps w <= j skip the product, whose rows the epilogue never reads)
                 for i in cutlass.range_constexpr(4):
                     if i > j:
                         r = tc[0, i, 0][0]
-                        gr = self._vec(thr32, sGs, i).load()
+                        gr = self._gvec(thr32, sGs, i)
                         gb = self._row_vec(sGs, 16 * (j + 1), tc[0, i, 0][1])
                         e = cute.math.exp2(gr - gb, fastmath=True)
                         kv = self._vec(thr16, sK, i).load().to(cutlass.Float32)
                         qv = self._vec(thr16, sQ, i).load().to(cutlass.Float32)
                         _flat8(tLk[None, i, 0]).store((kv * srow[r, 1] * e).to(dt))
                         _flat8(tLq[None, i, 0]).store((qv * srow[r, 0] * e).to(dt))
-                    else:
-                        tLk[None, i, 0].fill(0)
-                        tLq[None, i, 0].fill(0)
                 cute.arch.sync_threads()
-                sRj = cute.local_tile(sR, (16, _SL), (j, 0))
-                self._gemm_ss(mma_s, thr_s, s2r_sa, s2r_sb, tidx, acc_kk[j], sLk, sRj)
-                self._gemm_ss(mma_s, thr_s, s2r_sa, s2r_sb, tidx, acc_qk[j], sLq, sRj)
+                if wid > j:
+                    sRj = cute.local_tile(sR, (16, _SL), (j, 0))
+                    self._gemm_ss(mma_s, thr_s, s2r_sa, s2r_sb, tidx, acc_kk[j], sLk, sRj)
+                    self._gemm_ss(mma_s, thr_s, s2r_sa, s2r_sb, tidx, acc_qk[j], sLq, sRj)
                 cute.arch.sync_threads()
 
             if sflag[sl] == 0:
@@ -319,7 +328,7 @@ class KdaIntraAda:
                 tDq_lo = thr16.partition_D(sDq_lo)
                 for i in cutlass.range_constexpr(4):
                     r = tc[0, i, 0][0]
-                    gr = self._vec(thr32, sGs, i).load()
+                    gr = self._gvec(thr32, sGs, i)
                     gf = self._row_vec(sGs, 16 * i, tc[0, i, 0][1])
                     kv = self._vec(thr16, sK, i).load().to(cutlass.Float32) * srow[r, 1]
                     qv = self._vec(thr16, sQ, i).load().to(cutlass.Float32) * srow[r, 0]
@@ -352,9 +361,9 @@ class KdaIntraAda:
                 self._gemm_ss(mma_d, thr_d, s2r_da, s2r_db, lane, acc_dq, sDq_w, sE_lo_w)
             else:
                 # exact exponents; lanes start at different columns so that the 32 lanes'
-                # loads fall on distinct banks
+                # loads fall on distinct banks (lane l: the column stored at (d + l) mod 64)
                 for d in cutlass.range(_SL, unroll=4):
-                    col = (d + lane) % _SL
+                    col = self._slab_col((d + lane) % _SL)
                     for m in cutlass.range_constexpr(_DIAG_SLOTS):
                         if lane + 32 * m < 136:
                             rr = pr[m]
@@ -464,7 +473,7 @@ class KdaIntraAda:
             sGs = cute.local_tile(sG, (_C, _SL), (0, sl))
             for i in cutlass.range_constexpr(4):
                 r = tc[0, i, 0][0]
-                gr = self._vec(thr32, sGs, i).load()
+                gr = self._gvec(thr32, sGs, i)
                 kf = _flat8(kpre[sl * 4 + i]).load().to(cutlass.Float32) * (srow[r, 1] * srow[r, 2])
                 _flat8(tRhs[None, i, 0]).store((kf * cute.math.exp2(gr, fastmath=True)).to(dt))
             cute.arch.sync_threads()
@@ -561,10 +570,14 @@ class KdaIntraAda:
         for sl in cutlass.range_constexpr(NS):
             tG = thr32.partition_D(cute.local_tile(sG, (_C, _SL), (0, sl)))
             for i in cutlass.range_constexpr(4):
-                _flat8(tG[None, i, 0]).store(_flat8(xs[sl * 4 + i]).load().to(cutlass.Float32))
+                x = cute.make_rmem_tensor((8,), cutlass.Float32)
+                x.store(_flat8(xs[sl * 4 + i]).load().to(cutlass.Float32))
+                cute.autovec_copy(x, tG[None, i, 0])
         HP = _NT // K              # threads per column
         RP = _C // HP              # rows per thread
-        col = tidx % K
+        # a warp's 32 lanes take the columns stored at 32 consecutive places of a row (sG's
+        # slab order): no bank conflicts in the scan
+        col = self._slab_col(tidx % K)
         part = tidx // K
         ea = cutlass.Float32(1.0)
         dtb = cutlass.Float32(0.0)
@@ -682,8 +695,22 @@ class KdaIntraAda:
 
     @staticmethod
     def _row_vec(sG, row, col0):
-        """The 8 fp32 of row `row` from column col0 (a thread's vector) as a vector."""
-        return cute.local_tile(sG[row, None], (8,), (col0 // 8,)).load()
+        """The 8 fp32 of G's row `row` from column col0 (a thread's vector) as a vector."""
+        x = cute.make_rmem_tensor((8,), cutlass.Float32)
+        cute.autovec_copy(cute.local_tile(sG[row, None], (8,), (col0 // 8,)), x)
+        return x.load()
+
+    @staticmethod
+    def _gvec(thr, sGs, i):
+        """A thread's i-th 8-column vector of a G slab (two 16-byte pieces) as a vector."""
+        x = cute.make_rmem_tensor((8,), cutlass.Float32)
+        cute.autovec_copy(thr.partition_S(sGs)[None, i, 0], x)
+        return x.load()
+
+    @staticmethod
+    def _slab_col(p):
+        """The column stored at place p of a row of G (the inverse of sG's slab order)."""
+        return (p // _SL) * _SL + ((p // 4) % 8) * 8 + ((p // 32) % 2) * 4 + p % 4
 
     @staticmethod
     def _gemm_ss(tiled_mma, thr_mma, s2r_a, s2r_b, tidx, acc, sa, sb):
