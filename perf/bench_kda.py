@@ -231,3 +231,8 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # on the H200 the process once hung for minutes after writing its results (cause not
+    # found; the peer's Triton state is the suspect): leave without the interpreter teardown
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
