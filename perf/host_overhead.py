@@ -79,6 +79,15 @@ def cases():
     ones = torch.ones(7168, device="cuda", dtype=bf)
     ar = prepare_attn_res(pre, dl, bl, ones, ones, ones, torch.empty_like(pre), num_blocks=8)
     out["attn_res_launch"] = ar.launch
+    # KDA: eager calls ran 0.3-0.4 ms over their graph replays on the H200 (perf/results/
+    # kda.json) against ~31 us of host time measured on a CPU box with the kernels stubbed:
+    # a short sequence (the GPU outruns the host), then one long chain, which the op splits
+    # (its extra launches)
+    from bench_kda import problem as kda_problem, run_ours as kda_call
+    p1 = kda_problem([512], 8, seed=0)
+    out["kda_call"] = lambda: kda_call(p1)
+    p2 = kda_problem([16384], 1, seed=0)
+    out["kda_call_split"] = lambda: kda_call(p2)
     return out
 
 
