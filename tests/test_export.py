@@ -47,6 +47,10 @@ OP_FINGERPRINTS = {
     # fp32 state block in registers (no local memory)
     ("kda_chain", "ada"): ({"LDGSTS", "LDSM", "HMMA"},
                            ATOMICS | {"HGMMA", "UTCHMMA", "UTMALDG", "LDL", "STL"}),
+    # the KDA intra kernel: no local memory either since G's slabs are kept in a
+    # bank-conflict-free order (its K = 128 builds spilled a few registers before)
+    ("kda_intra", "ada"): ({"LDGSTS", "LDSM", "HMMA"},
+                           ATOMICS | {"HGMMA", "UTCHMMA", "UTMALDG", "LDL", "STL"}),
     ("bgmv_expand", "sm100"): ({"UTMALDG", "UBLKCP", "SYNCS", "VOTE"}, ATOMICS | {"LDGSTS"}),
 }
 
