@@ -34,7 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .arch import sm_count, target_arch
 from .reference import kda_segments
+from .registry import OPS
 from .runtime import _raw_stream
 
 IN_DTYPES = (torch.bfloat16, torch.float16)
@@ -394,8 +396,6 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                         cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first)
     if not q.is_cuda:
         raise _err("q", f"must be a CUDA tensor, got {q.device}")
-    from .arch import target_arch
-    from .registry import OPS
     arch = target_arch(q.device)
     if "ada" not in OPS["kda_intra"].designs_on(arch):
         raise NotImplementedError(f"chunk_kda: no KDA kernels for {arch}")
@@ -434,7 +434,6 @@ def _piece_tables(bounds: tuple, piece: int, seqlen: int, device: torch.device):
 @functools.lru_cache(maxsize=64)
 def _chain_piece(bounds: tuple, heads: int, head_k: int, head_v: int, device: torch.device) -> int:
     """`chain_pieces` for a batch layout (cached like `_device_tables`: off the call path)."""
-    from .arch import sm_count
     return chain_pieces([-(-(s1 - s0) // CHUNK) for _, s0, s1 in bounds], heads, head_v,
                         sm_count(device), head_k=head_k)
 

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import time_graph_ms, time_ms, write_results  # noqa: E402
 
 from cutekern import kda as ck_kda  # noqa: E402
+from cutekern.arch import sm_count  # noqa: E402
 from cutekern.reference import kda_gate, kda_reference, kda_segments  # noqa: E402
 
 D = 128
@@ -197,8 +198,7 @@ def main():
         row = {"case": name, "heads": h, "tokens": tokens}
         if not args.no_split:
             row["chain_piece"] = ck_kda.chain_pieces(
-                [-(-n // 64) for n in lens] * (batch or 1), h, D,
-                torch.cuda.get_device_properties(0).multi_processor_count)
+                [-(-n // 64) for n in lens] * (batch or 1), h, D, sm_count(0), head_k=D)
         # ours: each kernel alone on its inputs (graph replays), the op eagerly and replayed
         kw_i, args_c = chain_inputs(p, lens, batch)
         ti = time_graph_ms(lambda: ck_kda._intra(**kw_i), reps=args.reps)

@@ -694,18 +694,21 @@ class KdaIntraAda:
         return _flat8(thr.partition_S(s)[None, i, 0])
 
     @staticmethod
-    def _row_vec(sG, row, col0):
-        """The 8 fp32 of G's row `row` from column col0 (a thread's vector) as a vector."""
+    def _g8(view):
+        """8 fp32 of G (two 16-byte pieces in its slab order) as a flat vector."""
         x = cute.make_rmem_tensor((8,), cutlass.Float32)
-        cute.autovec_copy(cute.local_tile(sG[row, None], (8,), (col0 // 8,)), x)
+        cute.autovec_copy(view, x)
         return x.load()
 
     @staticmethod
+    def _row_vec(sG, row, col0):
+        """The 8 fp32 of G's row `row` from column col0 (a thread's vector) as a vector."""
+        return KdaIntraAda._g8(cute.local_tile(sG[row, None], (8,), (col0 // 8,)))
+
+    @staticmethod
     def _gvec(thr, sGs, i):
-        """A thread's i-th 8-column vector of a G slab (two 16-byte pieces) as a vector."""
-        x = cute.make_rmem_tensor((8,), cutlass.Float32)
-        cute.autovec_copy(thr.partition_S(sGs)[None, i, 0], x)
-        return x.load()
+        """A thread's i-th 8-column vector of a G slab as a vector."""
+        return KdaIntraAda._g8(thr.partition_S(sGs)[None, i, 0])
 
     @staticmethod
     def _slab_col(p):
