@@ -76,6 +76,21 @@ def _tensor(name, t, ndim, dtypes, device=None):
         raise _err(name, "must be contiguous in its last dim")
 
 
+def _rows16(name, t, align):
+    """What the kernels' 16-byte row vectors need of a tensor (the runtime's ABI check, done
+    once here so that the launches skip it): the data pointer and every stride of a mode
+    longer than 1 a multiple of ``align`` elements."""
+    if not t.numel():
+        return
+    if t.data_ptr() % (align * t.element_size()):
+        raise _err(name, f"data pointer must be {align * t.element_size()}-byte aligned "
+                         f"(the kernels read 16-byte row vectors)")
+    for d, (n, st) in enumerate(zip(t.shape[:-1], t.stride()[:-1])):
+        if n > 1 and st % align:
+            raise _err(name, f"stride {st} of dim {d} must be a multiple of {align} elements "
+                             f"(the kernels read 16-byte row vectors)")
+
+
 def check_kda_args(q, k, v, g, beta, *, scale=None, initial_state=None, use_gate_in_kernel=False,
                    A_log=None, dt_bias=None, safe_gate=False, lower_bound=None, cu_seqlens=None,
                    cu_seqlens_cpu=None, state_v_first=False):
@@ -102,6 +117,8 @@ def check_kda_args(q, k, v, g, beta, *, scale=None, initial_state=None, use_gate
     _tensor("g", g, 4, (torch.float32, q.dtype), dev)
     if tuple(g.shape) != tuple(q.shape):
         raise _err("g", f"must have q's shape {tuple(q.shape)}, got {tuple(g.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        _rows16(name, x, 8)
     _tensor("beta", beta, 3, (torch.float32, q.dtype), dev)
     if tuple(beta.shape) != (bsz, t, h):
         raise _err("beta", f"must be [B, T, H] = [{bsz}, {t}, {h}], got {tuple(beta.shape)}")
@@ -158,6 +175,7 @@ def check_kda_args(q, k, v, g, beta, *, scale=None, initial_state=None, use_gate
         if tuple(initial_state.shape) != want:
             raise _err("initial_state", f"must be {name} = {list(want)}, "
                                         f"got {tuple(initial_state.shape)}")
+        _rows16("initial_state", initial_state, 4)
     return KdaProblem(bsz, t, h, dk, dv, num_seqs, cu_seqlens is not None, bool(use_gate_in_kernel),
                       tuple(int(x) for x in cu))
 
@@ -212,9 +230,11 @@ _DT_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32:
 
 
 def _intra(q, k, v, g, beta, chunks, *, scale, l2norm, beta_sigmoid, gate_mode, a_log,
-           dt_bias, lower_bound, out=None):
+           dt_bias, lower_bound, out=None, check=True):
     """The intra-chunk kernel: chunk-padded w, u, qg, kg, Aqk ([NC, H, 64, *], q's dtype) and
-    exp(Gamma) ([NC, H, K] fp32) for the chain (into ``out`` when given, in that order)."""
+    exp(Gamma) ([NC, H, K] fp32) for the chain (into ``out`` when given, in that order).
+    ``check=False``: skip the runtime's argument check (callers that ran check_kda_args:
+    on a slow host it was ~100 us per launch)."""
     from .dispatch import get_function
     bsz, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -232,17 +252,17 @@ def _intra(q, k, v, g, beta, chunks, *, scale, l2norm, beta_sigmoid, gate_mode, 
     fn(rows(q), rows(k), rows(v), rows(g), rows(beta.float()).contiguous(), a_log, dt_bias,
        chunks, w, u, qg, kg, aqk, eg, float(dk ** -0.5 if scale is None else scale),
        int(l2norm), int(beta_sigmoid), gate_mode, float(lower_bound or 0.0),
-       stream=_raw_stream(dev))
+       stream=_raw_stream(dev), check=check)
     return w, u, qg, kg, aqk, eg
 
 
-def _chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, initial_state, o, ht):
+def _chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, initial_state, o, ht, check=True):
     from .dispatch import get_function
     fn = get_function("kda_chain", {"dtype": _DT_NAME[o.dtype]}, {"head_k": w.shape[-1]},
                       o.device, design="ada")
     h0 = initial_state if initial_state is not None else ht
     fn(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, h0, o.reshape(-1, *o.shape[2:]), ht,
-       int(initial_state is not None), 1, stream=_raw_stream(o.device))
+       int(initial_state is not None), 1, stream=_raw_stream(o.device), check=check)
 
 
 # Splitting long recurrent chains across CTAs (kernels/CONTRACT_KDA.md, "Kernel split" 3),
@@ -257,7 +277,9 @@ SPLIT_LONG_CHAINS = True
 # with enough CTAs moves what it reads and writes at ~3.5 TB/s.
 _CHAIN_STEP_S = 2.0e-6
 _CHAIN_BYTES_PER_S = 3.5e12
-_COMPOSE_STEP_S = 5e-6      # one baddbmm launch per piece index
+# composition time charged per piece: one 5 us launch per piece as first built; the
+# log-depth scan since (`_split_chain`) takes ~2 log2(pieces) batched matmuls, so this bounds it
+_COMPOSE_STEP_S = 5e-6
 
 
 def _chain_pass_bytes(tokens, heads, head_k, head_v):
@@ -272,7 +294,7 @@ def chain_pieces(chunks_per_seq, heads, head_v, sm_count, *, head_k=None, min_pi
     The chain kernel runs a CTA per (piece, head, 64 columns of V), so few long sequences
     over few heads leave most SMs idle and the time is the longest chain's steps. A split runs
     the chain three times over (the pieces' affine maps M and B, then the outputs from the
-    composed start states) plus one composition launch per piece: it pays only where those
+    composed start states) plus the composition of the pieces' maps: it pays only where those
     passes, bandwidth-bound once enough CTAs run, beat the unsplit chain's latency (1 x 65536
     at 4-8 heads: yes; 1 x 8192 at 32 heads: no, measured 0.35 -> 0.49 ms with the chain
     kernel of the time, whose step took 2.7 us).
@@ -304,6 +326,29 @@ def _split_bounds(bounds, piece):
     return out, first
 
 
+@functools.lru_cache(maxsize=64)
+def _compose_tables(first: tuple, heads: int, device: torch.device):
+    """Gather indices of `_split_chain`'s start-state composition for a piece layout (rows
+    of (piece, head) matrices; row npc * heads.. is the identity map, the sentinel): per
+    doubling step d = 1, 2, 4, .. below the longest sequence's piece count, each piece's
+    partner p - d, or the sentinel before its sequence's first piece; each piece's
+    predecessor p - 1 (the sentinel for a first piece) and its sequence."""
+    npc = first[-1]
+    seq = [n for n in range(len(first) - 1) for _ in range(first[n], first[n + 1])]
+    hs = torch.arange(heads)
+
+    def rows(pieces):
+        return (torch.tensor(pieces, dtype=torch.long)[:, None] * heads + hs).flatten().to(device)
+
+    steps, d = [], 1
+    longest = max((b - a for a, b in zip(first, first[1:])), default=0)
+    while d < longest:
+        steps.append(rows([p - d if p - d >= first[seq[p]] else npc for p in range(npc)]))
+        d *= 2
+    prev = rows([p - 1 if p > first[seq[p]] else npc for p in range(npc)])
+    return steps, prev, rows(seq)
+
+
 def _split_chain(chain, packed, cu_rows, cu_chunks, first, last, initial_state, o, ht):
     """The chain over pieces of the sequences instead of whole sequences. The chain is
     affine per piece p: S_end = M_p S_start + B_p. Pass 1 gets B_p (the chain from S = 0)
@@ -313,28 +358,44 @@ def _split_chain(chain, packed, cu_rows, cu_chunks, first, last, initial_state, 
     pieces' final states. ``chain`` is ``_chain`` or a stand-in with its signature;
     ``first``: host list, the first piece of each sequence (N + 1 offsets); ``last``: a
     long tensor on the device, the last piece of each sequence (no host copy here, so the
-    call can be captured in a CUDA graph)."""
+    call can be captured in a CUDA graph).
+    The composition is a log-depth scan (Hillis-Steele over each sequence's pieces, a few
+    batched matmuls per step) rather than one launch per piece: eager calls are host-bound
+    on the launches (1 x 65536 at 4 heads: 32 pieces, ~1.9 ms of host time per call)."""
     w, u, qg, kg, aqk, eg = packed
     npc, h, dk, dv = cu_chunks.shape[0] - 1, w.shape[1], w.shape[-1], u.shape[-1]
     dev = w.device
-    b_end = torch.empty(npc, h, dk, dv, dtype=torch.float32, device=dev)
-    chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, None, o, b_end)
-    m_end = torch.empty(npc, h, dk, dk, dtype=torch.float32, device=dev)
+    nr = npc * h
+    # the pieces' maps as rows of (piece, head) matrices, plus the identity map (I, 0)
+    # behind them; two buffers each: a doubling step reads one and writes the other (few
+    # torch ops: eager calls pay ~10-20 us of host time per op on the H200's host)
+    eye = torch.eye(dk, dtype=torch.float32, device=dev)
+    abuf = torch.empty(2, nr + h, dk, dk, dtype=torch.float32, device=dev)
+    bbuf = torch.empty(2, nr + h, dk, dv, dtype=torch.float32, device=dev)
+    abuf[:, nr:] = eye
+    bbuf[:, nr:] = 0.0
+    am, bm = abuf.unbind(0), bbuf.unbind(0)
+    a_run, b_run = abuf[:, :nr].unbind(0), bbuf[:, :nr].unbind(0)
+    chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, None, o, b_run[0].view(npc, h, dk, dv))
     u0 = torch.zeros(dk, dtype=u.dtype, device=dev).expand(u.shape[0], h, CHUNK, dk)
-    eye = torch.eye(dk, dtype=torch.float32, device=dev).expand(npc, h, dk, dk)
     scratch = o if dv == dk else o.new_empty(*o.shape[:-1], dk)
-    chain(w, u0, qg, kg, aqk, eg, cu_rows, cu_chunks, eye, scratch, m_end)
-    # start states: S_0 of a sequence is its initial state, S_{i+1} = M_i S_i + B_i
-    # (one launch per piece: the product lands in place)
-    starts = torch.zeros(npc, h, dk, dv, dtype=torch.float32, device=dev)
-    for n in range(len(first) - 1):
-        p0, p1 = first[n], first[n + 1]
-        if initial_state is not None:
-            starts[p0].copy_(initial_state[n])
-        for p in range(p0, p1 - 1):
-            torch.baddbmm(b_end[p], m_end[p], starts[p], out=starts[p + 1])
-    pieces_ht = torch.empty_like(starts)
-    chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, starts, o, pieces_ht)
+    chain(w, u0, qg, kg, aqk, eg, cu_rows, cu_chunks, eye.expand(npc, h, dk, dk), scratch,
+          a_run[0].view(npc, h, dk, dk))
+    steps, prev, seq = _compose_tables(tuple(first), h, dev)
+    # X_p <- X_p o X_{p-d}: (A, B) o (A', B') = (A A', A B' + B)
+    cur = 0
+    for idx in steps:
+        torch.baddbmm(b_run[cur], a_run[cur], bm[cur].index_select(0, idx), out=b_run[1 - cur])
+        torch.bmm(a_run[cur], am[cur].index_select(0, idx), out=a_run[1 - cur])
+        cur = 1 - cur
+    # start state of piece p: X_{p-1} (the pieces first..p-1 composed) applied to the
+    # sequence's initial state; a first piece gets the identity map
+    starts = bm[cur].index_select(0, prev)
+    if initial_state is not None:
+        h0 = initial_state.reshape(-1, dk, dv).index_select(0, seq)
+        starts = torch.baddbmm(starts, am[cur].index_select(0, prev), h0)
+    pieces_ht = torch.empty(npc, h, dk, dv, dtype=torch.float32, device=dev)
+    chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, starts.view(npc, h, dk, dv), o, pieces_ht)
     ht.copy_(pieces_ht.index_select(0, last))
 
 
@@ -444,20 +505,21 @@ def _kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             output_final_state: bool, l2norm: bool, gate_in_kernel: bool, beta_sigmoid: bool,
             A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None,
             cu_seqlens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    # reachable as torch.ops.cutekern.chunk_kda without chunk_kda's checks: the launches
+    # check their arguments
     return _kda_impl(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm,
-                     gate_in_kernel, beta_sigmoid, A_log, dt_bias, lower_bound, cu_seqlens)
+                     gate_in_kernel, beta_sigmoid, A_log, dt_bias, lower_bound, cu_seqlens,
+                     check=True)
 
 
 def _kda_impl(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm,
-              gate_in_kernel, beta_sigmoid, A_log, dt_bias, lower_bound, cu_seqlens):
+              gate_in_kernel, beta_sigmoid, A_log, dt_bias, lower_bound, cu_seqlens,
+              check=False):
     bsz, t, h, dk = q.shape
     dv = v.shape[-1]
     bounds = kda_segments(bsz, t, cu_seqlens)
     dev = q.device
     table, cu_rows, cu_chunks = _device_tables(tuple(bounds), t, dev)
-    o = torch.empty(bsz, t, h, dv, dtype=q.dtype, device=dev)
-    # the chain writes every sequence's final state (0-chunk sequences: the initial one)
-    ht = torch.empty(len(bounds), h, dk, dv, dtype=torch.float32, device=dev)
     if table.shape[0]:
         gate_mode = 0 if not gate_in_kernel else (1 if lower_bound is None else 2)
         a_log = A_log if A_log is not None else torch.zeros(h, device=dev)
@@ -465,13 +527,19 @@ def _kda_impl(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm
                else torch.zeros(h, dk, device=dev))
         packed = _intra(q, k, v, g, beta, table, scale=scale, l2norm=l2norm,
                         beta_sigmoid=beta_sigmoid, gate_mode=gate_mode, a_log=a_log,
-                        dt_bias=dtb, lower_bound=lower_bound)
+                        dt_bias=dtb, lower_bound=lower_bound, check=check)
+    # (allocated after the first launch: an eager call's host time up to it shows on the GPU)
+    o = torch.empty(bsz, t, h, dv, dtype=q.dtype, device=dev)
+    # the chain writes every sequence's final state (0-chunk sequences: the initial one)
+    ht = torch.empty(len(bounds), h, dk, dv, dtype=torch.float32, device=dev)
+    if table.shape[0]:
+        chain = functools.partial(_chain, check=check)
         piece = _chain_piece(tuple(bounds), h, dk, dv, dev) if SPLIT_LONG_CHAINS else 0
         if piece:
             first, cu_rows_p, cu_chunks_p, last = _piece_tables(tuple(bounds), piece, t, dev)
-            _split_chain(_chain, packed, cu_rows_p, cu_chunks_p, first, last, initial_state, o, ht)
+            _split_chain(chain, packed, cu_rows_p, cu_chunks_p, first, last, initial_state, o, ht)
         else:
-            _chain(*packed, cu_rows, cu_chunks, initial_state, o, ht)
+            chain(*packed, cu_rows, cu_chunks, initial_state, o, ht)
     elif initial_state is not None:
         ht.copy_(initial_state)
     else:

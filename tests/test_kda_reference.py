@@ -149,6 +149,14 @@ def _args(bsz=1, t=96, h=2, dk=64, dv=64, dtype=torch.bfloat16):
     return r(bsz, t, h, dk), r(bsz, t, h, dk), r(bsz, t, h, dv), -torch.rand(bsz, t, h, dk), torch.rand(bsz, t, h)
 
 
+def _shifted(x):
+    """x's contents at a data pointer one element past a 16-byte boundary."""
+    buf = torch.empty(x.numel() + 1, dtype=x.dtype)
+    y = buf[1:].view(x.shape)
+    y.copy_(x)
+    return y
+
+
 def test_check_accepts_valid_and_describes():
     q, k, v, g, beta = _args(bsz=3, dv=128)
     p = check_kda_args(q, k, v, g, beta, initial_state=torch.zeros(3, 2, 64, 128))
@@ -199,6 +207,12 @@ def test_check_accepts_valid_and_describes():
     (lambda a: a.update(use_gate_in_kernel=True, A_log=torch.zeros(2), lower_bound=0.0), "lower_bound"),
     (lambda a: a.update(cu_seqlens_cpu=torch.tensor([0, 96])), "cu_seqlens_cpu"),
     (lambda a: a.update(cu_seqlens=torch.tensor([0, 96]), cu_seqlens_cpu=torch.tensor([0, 40, 96])), "cu_seqlens_cpu"),
+    # the kernels' 16-byte row vectors (checked here: the launches skip the runtime's check)
+    (lambda a: a.update(q=_shifted(a["q"])), "q"),
+    (lambda a: a.update(k=torch.randn(1, 96, 2, 68).bfloat16()[..., :64]), "k"),
+    (lambda a: a.update(v=torch.randn(1, 96, 2, 72).bfloat16()[..., 4:68]), "v"),
+    (lambda a: a.update(g=(-torch.rand(1, 96, 2, 66))[..., :64]), "g"),
+    (lambda a: a.update(initial_state=torch.zeros(1, 2, 64, 66)[..., 1:65]), "initial_state"),
 ])
 def test_check_names_the_argument(mutate, name):
     q, k, v, g, beta = _args()
@@ -450,8 +464,8 @@ def test_chain_split_plan():
         assert all(pieces[i][2] == pieces[i + 1][1] for i in range(p0, p1 - 1))
 
 
-@pytest.mark.parametrize("dv", [64, 128])
-def test_chain_split_composes_to_the_whole_chain(dv):
+@pytest.mark.parametrize("dv,with_h0", [(64, True), (128, True), (128, False)])
+def test_chain_split_composes_to_the_whole_chain(dv, with_h0):
     """`kda._split_chain` (pieces' affine maps from the chain run from S = 0 and from S = I
     with a stride-0 zero u, composed in fp32, then the chain from the composed start states)
     through the chain kernel's torch model: the first piece of every sequence is bit-identical
@@ -465,6 +479,8 @@ def test_chain_split_composes_to_the_whole_chain(dv):
     # the composition matters (under the safe gate M underflows to 0 within two chunks)
     (q, k, v, g, beta), s0 = _inputs(1, t, h, d, dv, 17, gate="direct", n_state=3, dtype=torch.bfloat16)
     g = g * 0.05
+    if not with_h0:
+        s0 = None
     bounds = [(0, a, b) for a, b in zip(cu, cu[1:])]
     rows, cu_rows, cu_chunks = _chunk_rows(bounds, t)
     packed = kda_intra_packed(q, k, v, g, beta, rows, torch.bfloat16, scale=None, l2norm=True,
@@ -482,7 +498,7 @@ def test_chain_split_composes_to_the_whole_chain(dv):
     _split_chain(chain, packed, cu_rows_p, cu_chunks_p, first, last, s0, o, ht)
     assert torch.isfinite(o.float()).all() and torch.isfinite(ht).all()
     assert torch.equal(o[0, :128], o_ref[0, :128]) and torch.equal(o[0, 700:828], o_ref[0, 700:828])
-    assert torch.equal(ht[1], s0[1])                                   # 0-token sequence
+    assert torch.equal(ht[1], s0[1] if with_h0 else torch.zeros_like(ht[1]))   # 0-token sequence
     rel = lambda x, ref: ((x.double() - ref.double()).norm() / ref.double().norm()).item()
     assert rel(o, o_ref) < 6e-3 and rel(ht, ht_ref) < 6e-3, (rel(o, o_ref), rel(ht, ht_ref))
     assert not torch.equal(o, o_ref)        # later pieces start from composed states
