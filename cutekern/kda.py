@@ -349,7 +349,8 @@ def _compose_tables(first: tuple, heads: int, device: torch.device):
     return steps, prev, rows(seq)
 
 
-def _split_chain(chain, packed, cu_rows, cu_chunks, first, last, initial_state, o, ht):
+def _split_chain(chain, packed, cu_rows, cu_chunks, first, last, initial_state, o, ht,
+                 scan=None):
     """The chain over pieces of the sequences instead of whole sequences. The chain is
     affine per piece p: S_end = M_p S_start + B_p. Pass 1 gets B_p (the chain from S = 0)
     and M_p (the chain from S = I with u = 0: a stride-0 view, no copy) for every piece;
@@ -359,19 +360,23 @@ def _split_chain(chain, packed, cu_rows, cu_chunks, first, last, initial_state, 
     ``first``: host list, the first piece of each sequence (N + 1 offsets); ``last``: a
     long tensor on the device, the last piece of each sequence (no host copy here, so the
     call can be captured in a CUDA graph).
-    The composition is a log-depth scan (Hillis-Steele over each sequence's pieces, a few
-    batched matmuls per step) rather than one launch per piece: eager calls are host-bound
-    on the launches (1 x 65536 at 4 heads: 32 pieces, ~1.9 ms of host time per call)."""
+    The composition (``scan``; default: on unless the stream is being captured): a
+    log-depth scan (Hillis-Steele over each sequence's pieces, ~2 log2(pieces) batched
+    matmuls: few launches, for eager calls, which were host-bound on one launch per piece:
+    1 x 65536 at 4 heads, 32 pieces, ~1.9 ms of host time per call), or one baddbmm per
+    piece (the fewest FLOPs, for a CUDA graph, where launches cost nothing)."""
     w, u, qg, kg, aqk, eg = packed
     npc, h, dk, dv = cu_chunks.shape[0] - 1, w.shape[1], w.shape[-1], u.shape[-1]
     dev = w.device
     nr = npc * h
+    if scan is None:
+        scan = not torch.cuda.is_current_stream_capturing()
     # the pieces' maps as rows of (piece, head) matrices, plus the identity map (I, 0)
     # behind them; two buffers each: a doubling step reads one and writes the other (few
     # torch ops: eager calls pay ~10-20 us of host time per op on the H200's host)
     eye = torch.eye(dk, dtype=torch.float32, device=dev)
-    abuf = torch.empty(2, nr + h, dk, dk, dtype=torch.float32, device=dev)
-    bbuf = torch.empty(2, nr + h, dk, dv, dtype=torch.float32, device=dev)
+    abuf = torch.empty(2 if scan else 1, nr + h, dk, dk, dtype=torch.float32, device=dev)
+    bbuf = torch.empty(2 if scan else 1, nr + h, dk, dv, dtype=torch.float32, device=dev)
     abuf[:, nr:] = eye
     bbuf[:, nr:] = 0.0
     am, bm = abuf.unbind(0), bbuf.unbind(0)
@@ -381,21 +386,36 @@ def _split_chain(chain, packed, cu_rows, cu_chunks, first, last, initial_state, 
     scratch = o if dv == dk else o.new_empty(*o.shape[:-1], dk)
     chain(w, u0, qg, kg, aqk, eg, cu_rows, cu_chunks, eye.expand(npc, h, dk, dk), scratch,
           a_run[0].view(npc, h, dk, dk))
-    steps, prev, seq = _compose_tables(tuple(first), h, dev)
-    # X_p <- X_p o X_{p-d}: (A, B) o (A', B') = (A A', A B' + B)
-    cur = 0
-    for idx in steps:
-        torch.baddbmm(b_run[cur], a_run[cur], bm[cur].index_select(0, idx), out=b_run[1 - cur])
-        torch.bmm(a_run[cur], am[cur].index_select(0, idx), out=a_run[1 - cur])
-        cur = 1 - cur
-    # start state of piece p: X_{p-1} (the pieces first..p-1 composed) applied to the
-    # sequence's initial state; a first piece gets the identity map
-    starts = bm[cur].index_select(0, prev)
-    if initial_state is not None:
-        h0 = initial_state.reshape(-1, dk, dv).index_select(0, seq)
-        starts = torch.baddbmm(starts, am[cur].index_select(0, prev), h0)
+    if scan:
+        steps, prev, seq = _compose_tables(tuple(first), h, dev)
+        # X_p <- X_p o X_{p-d}: (A, B) o (A', B') = (A A', A B' + B); the last step's A only
+        # where an initial state needs it
+        cur = 0
+        for i, idx in enumerate(steps):
+            torch.baddbmm(b_run[cur], a_run[cur], bm[cur].index_select(0, idx), out=b_run[1 - cur])
+            if initial_state is not None or i + 1 < len(steps):
+                torch.bmm(a_run[cur], am[cur].index_select(0, idx), out=a_run[1 - cur])
+            cur = 1 - cur
+        # start state of piece p: X_{p-1} (the pieces first..p-1 composed) applied to the
+        # sequence's initial state; a first piece gets the identity map
+        starts = bm[cur].index_select(0, prev)
+        if initial_state is not None:
+            h0 = initial_state.reshape(-1, dk, dv).index_select(0, seq)
+            starts = torch.baddbmm(starts, am[cur].index_select(0, prev), h0)
+        starts = starts.view(npc, h, dk, dv)
+    else:
+        # S_0 of a sequence is its initial state, S_{i+1} = M_i S_i + B_i
+        ms, bs = a_run[0].view(npc, h, dk, dk).unbind(0), b_run[0].view(npc, h, dk, dv).unbind(0)
+        starts = torch.zeros(npc, h, dk, dv, dtype=torch.float32, device=dev)
+        ss = starts.unbind(0)
+        for n in range(len(first) - 1):
+            p0, p1 = first[n], first[n + 1]
+            if initial_state is not None:
+                ss[p0].copy_(initial_state[n])
+            for p in range(p0, p1 - 1):
+                torch.baddbmm(bs[p], ms[p], ss[p], out=ss[p + 1])
     pieces_ht = torch.empty(npc, h, dk, dv, dtype=torch.float32, device=dev)
-    chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, starts.view(npc, h, dk, dv), o, pieces_ht)
+    chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, starts, o, pieces_ht)
     ht.copy_(pieces_ht.index_select(0, last))
 
 

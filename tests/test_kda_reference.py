@@ -464,13 +464,15 @@ def test_chain_split_plan():
         assert all(pieces[i][2] == pieces[i + 1][1] for i in range(p0, p1 - 1))
 
 
-@pytest.mark.parametrize("dv,with_h0", [(64, True), (128, True), (128, False)])
-def test_chain_split_composes_to_the_whole_chain(dv, with_h0):
+@pytest.mark.parametrize("dv,with_h0,scan", [(64, True, True), (128, True, True), (128, False, True),
+                                             (64, True, False), (128, False, False)])
+def test_chain_split_composes_to_the_whole_chain(dv, with_h0, scan):
     """`kda._split_chain` (pieces' affine maps from the chain run from S = 0 and from S = I
     with a stride-0 zero u, composed in fp32, then the chain from the composed start states)
     through the chain kernel's torch model: the first piece of every sequence is bit-identical
     to the unsplit chain (same inputs, same start), the rest within the bf16 bar of it and of
-    the float64 recurrence; initial states, a 0-token sequence and V != K included."""
+    the float64 recurrence; initial states, a 0-token sequence and V != K included; both
+    compositions (log-depth scan, piece by piece)."""
     from cutekern.kda import _chunk_rows, _split_bounds, _split_chain
     from cutekern.reference import kda_intra_packed
     cu = [0, 700, 700, 1500]
@@ -495,8 +497,13 @@ def test_chain_split_composes_to_the_whole_chain(dv, with_h0):
     o = torch.full((1, t, h, dv), float("nan"), dtype=torch.bfloat16)
     ht = torch.full((3, h, d, dv), float("nan"))
     last = torch.tensor([f - 1 for f in first[1:]])
-    _split_chain(chain, packed, cu_rows_p, cu_chunks_p, first, last, s0, o, ht)
+    _split_chain(chain, packed, cu_rows_p, cu_chunks_p, first, last, s0, o, ht, scan=scan)
     assert torch.isfinite(o.float()).all() and torch.isfinite(ht).all()
+    if scan:   # the log-depth composition against the piece-by-piece one: fp32 rounding apart
+        ht_seq = torch.full_like(ht, float("nan"))
+        _split_chain(chain, packed, cu_rows_p, cu_chunks_p, first, last, s0, o.clone(), ht_seq,
+                     scan=False)
+        assert ((ht - ht_seq).norm() / ht_seq.norm()).item() < 1e-5
     assert torch.equal(o[0, :128], o_ref[0, :128]) and torch.equal(o[0, 700:828], o_ref[0, 700:828])
     assert torch.equal(ht[1], s0[1] if with_h0 else torch.zeros_like(ht[1]))   # 0-token sequence
     rel = lambda x, ref: ((x.double() - ref.double()).norm() / ref.double().norm()).item()
