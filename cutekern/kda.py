@@ -277,8 +277,8 @@ SPLIT_LONG_CHAINS = True
 # with enough CTAs moves what it reads and writes at ~3.5 TB/s.
 _CHAIN_STEP_S = 2.0e-6
 _CHAIN_BYTES_PER_S = 3.5e12
-# composition time charged per piece: one 5 us launch per piece as first built; the
-# log-depth scan since (`_split_chain`) takes ~2 log2(pieces) batched matmuls, so this bounds it
+# composition time charged per piece: one ~5 us baddbmm per piece (`_split_chain` under graph
+# capture); eager calls' log-depth scan takes ~2 log2(pieces) batched matmuls instead
 _COMPOSE_STEP_S = 5e-6
 
 
@@ -370,15 +370,16 @@ def _split_chain(chain, packed, cu_rows, cu_chunks, first, last, initial_state, 
     dev = w.device
     nr = npc * h
     if scan is None:
-        scan = not torch.cuda.is_current_stream_capturing()
+        scan = not (w.is_cuda and torch.cuda.is_current_stream_capturing())
     # the pieces' maps as rows of (piece, head) matrices, plus the identity map (I, 0)
     # behind them; two buffers each: a doubling step reads one and writes the other (few
     # torch ops: eager calls pay ~10-20 us of host time per op on the H200's host)
     eye = torch.eye(dk, dtype=torch.float32, device=dev)
     abuf = torch.empty(2 if scan else 1, nr + h, dk, dk, dtype=torch.float32, device=dev)
     bbuf = torch.empty(2 if scan else 1, nr + h, dk, dv, dtype=torch.float32, device=dev)
-    abuf[:, nr:] = eye
-    bbuf[:, nr:] = 0.0
+    if scan:
+        abuf[:, nr:] = eye
+        bbuf[:, nr:] = 0.0
     am, bm = abuf.unbind(0), bbuf.unbind(0)
     a_run, b_run = abuf[:, :nr].unbind(0), bbuf[:, :nr].unbind(0)
     chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, None, o, b_run[0].view(npc, h, dk, dv))

@@ -503,6 +503,9 @@ def test_chain_split_composes_to_the_whole_chain(dv, with_h0, scan):
         ht_seq = torch.full_like(ht, float("nan"))
         _split_chain(chain, packed, cu_rows_p, cu_chunks_p, first, last, s0, o.clone(), ht_seq,
                      scan=False)
+        ht_default = torch.full_like(ht, float("nan"))   # host tensors: the scan by default
+        _split_chain(chain, packed, cu_rows_p, cu_chunks_p, first, last, s0, o.clone(), ht_default)
+        assert torch.equal(ht_default, ht)
         assert ((ht - ht_seq).norm() / ht_seq.norm()).item() < 1e-5
     assert torch.equal(o[0, :128], o_ref[0, :128]) and torch.equal(o[0, 700:828], o_ref[0, 700:828])
     assert torch.equal(ht[1], s0[1] if with_h0 else torch.zeros_like(ht[1]))   # 0-token sequence
