@@ -79,10 +79,10 @@ def cases():
     ones = torch.ones(7168, device="cuda", dtype=bf)
     ar = prepare_attn_res(pre, dl, bl, ones, ones, ones, torch.empty_like(pre), num_blocks=8)
     out["attn_res_launch"] = ar.launch
-    # KDA: eager calls ran 0.3-0.4 ms over their graph replays on the H200 (perf/results/
-    # kda.json) against 0.03-0.1 ms of Python host time on a CPU box with the kernels stubbed:
-    # a short sequence (the GPU outruns the host), then one long chain, which the op splits
-    # (its extra launches)
+    # KDA (perf/results/kda_host_h200.json has the 27th session's A/Bs: 180-560 us of host
+    # time per call on the H200's host, the runtime's per-argument check a large part of it
+    # before the op skipped it): a short sequence (the GPU outruns the host), then one long
+    # chain, which the op splits (its extra launches)
     from bench_kda import problem as kda_problem, run_ours as kda_call
     p1 = kda_problem([512], 8, seed=0)
     out["kda_call"] = lambda: kda_call(p1)
