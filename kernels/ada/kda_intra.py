@@ -219,8 +219,15 @@ class KdaIntraAda:
         # (rows past the end read the last row again; the scan skips them)
         grows = [self._row8(g, row0, n, tc[0, i, 0][0], h, sl * _SL + tc[0, i, 0][1])
                  for sl in range(NS) for i in range(4)]
-        # ---- row factors: l2norm (and the scale), beta
-        self._row_factors(q, k, beta, srow, sflag, row0, n, h, scale, l2norm, beta_sigmoid, lane, wid)
+        # the rows behind the row factors (their latency hides behind the gate scan)
+        E = K // 2
+        rf = tidx // 2
+        rrf = row0 + cutlass.min(rf, n - 1)
+        rowq = cute.make_rmem_tensor((E,), dt)
+        rowk = cute.make_rmem_tensor((E,), dt)
+        cute.autovec_copy(cute.local_tile(q[rrf, h, None], (E,), (tidx % 2,)), rowq)
+        cute.autovec_copy(cute.local_tile(k[rrf, h, None], (E,), (tidx % 2,)), rowk)
+        bt = cutlass.Float32(beta[row0 + cutlass.min(tidx % _C, n - 1), h])
 
         # ---- the score blocks' accumulators (kept over the K slabs) and diagonal pairs
         thr_s = mma_s.get_slice(tidx)
@@ -254,9 +261,20 @@ class KdaIntraAda:
             pr[m] = 16 * wid + rr
             ps[m] = 16 * wid + p - (rr * (rr + 1)) // 2
 
-        # ---- G of every column (the first slab's q / k copies in flight meanwhile)
-        self._gate_cumsum(grows, a_log, dt_bias, eg, sG, srow, sflag, n, c, h, gate_mode,
+        # ---- G of every column (the first slab's q / k copies and the row factors' rows in
+        # flight meanwhile); each thread's widest sub-chunk spread in `spread`
+        spread = cute.make_rmem_tensor((1,), cutlass.Float32)
+        self._gate_cumsum(grows, a_log, dt_bias, eg, sG, srow, spread, n, c, h, gate_mode,
                           lower_bound, tidx, thr32)
+        # ---- row factors: l2norm (and the scale), beta
+        self._row_factors(rowq, rowk, bt, srow, sflag, n, scale, l2norm, beta_sigmoid, tidx)
+        # a K slab whose sub-chunk spread is too wide for the tensor cores (the threshold
+        # depends on the row factors' range check); read after the pass's first barrier
+        thr = cutlass.Float32(self.diag_spread)
+        if sflag[2] != 0:
+            thr = cutlass.Float32(self.diag_spread_unbounded)
+        if spread[0] > thr:
+            sflag[self._slab_col(tidx % K) // _SL] = 1
 
         # ---- pass 1 over K slabs: the score blocks (a loop, not unrolled: one copy of its
         # code keeps the instruction cache warm)
@@ -492,24 +510,21 @@ class KdaIntraAda:
 
     # ------------------------------------------------------------------ helpers
     @cute.jit
-    def _row_factors(self, q: cute.Tensor, k: cute.Tensor, beta: cute.Tensor, srow: cute.Tensor,
-                     sflag: cute.Tensor, row0: cutlass.Int32, n: cutlass.Int32, h: cutlass.Int32,
+    def _row_factors(self, xq: cute.Tensor, xk: cute.Tensor, bt: cutlass.Float32,
+                     srow: cute.Tensor, sflag: cute.Tensor, n: cutlass.Int32,
                      scale: cutlass.Float32, l2norm: cutlass.Int32, beta_sigmoid: cutlass.Int32,
-                     lane: cutlass.Int32, wid: cutlass.Int32):
-        """Two threads per row, half of K each: rq = scale / |q_r|, rk = 1 / |k_r| (l2norm;
-        else scale and 1), beta (sigmoid when asked); all 0 past the sequence's end. Flags k
-        as unbounded when some row has |k_r| rk_r > 2 (the diagonal blocks' range check)."""
-        E = self.K // 2
-        tidx = wid * 32 + lane
+                     tidx: cutlass.Int32):
+        """Two threads per row, half of K each (xq, xk: the thread's halves of row tidx // 2,
+        loaded by the caller; rows past the end read the last row again and get factor 0):
+        rq = scale / |q_r|, rk = 1 / |k_r| (l2norm; else scale and 1); beta of row tidx (bt,
+        sigmoid when asked); all 0 past the sequence's end. Flags k as unbounded when some
+        row has |k_r| rk_r > 2 (the diagonal blocks' range check)."""
         r = tidx // 2
         part = tidx % 2
-        # rows past the end read the last row again and get factor 0 (no branch before the
-        # loads: a thread's 2 E / 8 16-byte loads are all in flight at once)
-        rr = cutlass.min(r, n - 1)
-        xq = cute.local_tile(q[row0 + rr, h, None], (E,), (part,)).load().to(cutlass.Float32)
-        xk = cute.local_tile(k[row0 + rr, h, None], (E,), (part,)).load().to(cutlass.Float32)
-        sq = (xq * xq).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
-        sk = (xk * xk).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+        fq = xq.load().to(cutlass.Float32)
+        fk = xk.load().to(cutlass.Float32)
+        sq = (fq * fq).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+        sk = (fk * fk).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
         sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=1)
         sk = sk + cute.arch.shuffle_sync_bfly(sk, offset=1)
         if part == 0:
@@ -526,14 +541,13 @@ class KdaIntraAda:
             srow[r, 0] = rq
             srow[r, 1] = rk
         # beta: one row per thread
-        if wid * 32 + lane < _C:
-            r = wid * 32 + lane
-            bt = beta[row0 + cutlass.min(r, n - 1), h]
+        if tidx < _C:
+            b = bt
             if beta_sigmoid != 0:
-                bt = cute.arch.rcp_approx(1.0 + cute.math.exp(-bt, fastmath=True))
-            if r >= n:
-                bt = cutlass.Float32(0.0)
-            srow[r, 2] = bt
+                b = cute.arch.rcp_approx(1.0 + cute.math.exp(-b, fastmath=True))
+            if tidx >= n:
+                b = cutlass.Float32(0.0)
+            srow[tidx, 2] = b
         cute.arch.sync_threads()
 
     @cute.jit
@@ -556,7 +570,7 @@ class KdaIntraAda:
 
     @cute.jit
     def _gate_cumsum(self, xs: list, a_log: cute.Tensor, dt_bias: cute.Tensor,
-                     eg: cute.Tensor, sG: cute.Tensor, srow: cute.Tensor, sflag: cute.Tensor,
+                     eg: cute.Tensor, sG: cute.Tensor, srow: cute.Tensor, spread: cute.Tensor,
                      n: cutlass.Int32, c: cutlass.Int32, h: cutlass.Int32,
                      gate_mode: cutlass.Int32, lower_bound: cutlass.Float32,
                      tidx: cutlass.Int32, thr32: cute.TiledCopy):
@@ -564,8 +578,9 @@ class KdaIntraAda:
         threads: g's rows (xs: a thread's 4 row vectors per K slab, loaded by the caller) land
         in sG; then 128 / K threads per column scan
         it, the gate applied on the way (gate_mode 1: -exp(A_log) softplus(g + dt_bias); 2:
-        lower_bound sigmoid(exp(A_log) (g + dt_bias)); rows past the end add 0). Flags a K
-        slab whose sub-chunk spread is too wide for the tensor cores; writes exp(Gamma)."""
+        lower_bound sigmoid(exp(A_log) (g + dt_bias)); rows past the end add 0). Writes
+        exp(Gamma), and in ``spread`` the thread's widest sub-chunk decay spread (the caller
+        flags the K slabs too wide for the tensor cores: the threshold needs the row factors)."""
         K, NS = self.K, self.NS
         for sl in cutlass.range_constexpr(NS):
             tG = thr32.partition_D(cute.local_tile(sG, (_C, _SL), (0, sl)))
@@ -584,12 +599,9 @@ class KdaIntraAda:
         if gate_mode != 0:
             ea = cute.math.exp(a_log[h])
             dtb = dt_bias[h, col]
-        thr = cutlass.Float32(self.diag_spread)
-        if sflag[2] != 0:
-            thr = cutlass.Float32(self.diag_spread_unbounded)
         cute.arch.sync_threads()
         acc = cutlass.Float32(0.0)
-        wide = cutlass.Int32(0)
+        wide = cutlass.Float32(0.0)
         for b in cutlass.range(RP // 16, unroll=1):
             r0 = part * RP + b * 16
             xv = cute.make_rmem_tensor((16,), cutlass.Float32)
@@ -614,10 +626,8 @@ class KdaIntraAda:
                 sG[r0 + e, col] = acc
                 if e == 0:
                     top = acc
-            if top - acc > thr:
-                wide = 1
-        if wide != 0:
-            sflag[col // _SL] = 1
+            wide = cute.arch.fmax(wide, top - acc)
+        spread[0] = wide
         if cutlass.const_expr(HP == 2):
             if part == 0:
                 srow[col, 3] = acc
