@@ -37,7 +37,7 @@ import torch
 from .arch import sm_count, target_arch
 from .reference import kda_segments
 from .registry import OPS
-from .runtime import _raw_stream
+from .runtime import _raw_stream, _validate_tensor
 
 IN_DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128)           # K and V the kernels will tile (one or two 64-wide blocks)
@@ -77,18 +77,11 @@ def _tensor(name, t, ndim, dtypes, device=None):
 
 
 def _rows16(name, t, align):
-    """What the kernels' 16-byte row vectors need of a tensor (the runtime's ABI check, done
-    once here so that the launches skip it): the data pointer and every stride of a mode
-    longer than 1 a multiple of ``align`` elements."""
-    if not t.numel():
-        return
-    if t.data_ptr() % (align * t.element_size()):
-        raise _err(name, f"data pointer must be {align * t.element_size()}-byte aligned "
-                         f"(the kernels read 16-byte row vectors)")
-    for d, (n, st) in enumerate(zip(t.shape[:-1], t.stride()[:-1])):
-        if n > 1 and st % align:
-            raise _err(name, f"stride {st} of dim {d} must be a multiple of {align} elements "
-                             f"(the kernels read 16-byte row vectors)")
+    """The runtime's ABI check of a tensor (data pointer and every stride of a mode longer than
+    1 a multiple of ``align`` elements: the kernels' 16-byte row vectors), done once here so
+    that the launches skip it."""
+    _validate_tensor({"name": name, "dtype": _DT_NAME[t.dtype], "rank": t.dim(), "align": align},
+                     t, "chunk_kda", None, require_cuda=False)
 
 
 def check_kda_args(q, k, v, g, beta, *, scale=None, initial_state=None, use_gate_in_kernel=False,
@@ -375,12 +368,9 @@ def _split_chain(chain, packed, cu_rows, cu_chunks, first, last, initial_state, 
     # behind them; two buffers each: a doubling step reads one and writes the other (few
     # torch ops: eager calls pay ~10-20 us of host time per op on the H200's host)
     eye = torch.eye(dk, dtype=torch.float32, device=dev)
-    abuf = torch.empty(2 if scan else 1, nr + h, dk, dk, dtype=torch.float32, device=dev)
-    bbuf = torch.empty(2 if scan else 1, nr + h, dk, dv, dtype=torch.float32, device=dev)
-    if scan:
-        abuf[:, nr:] = eye
-        bbuf[:, nr:] = 0.0
-    am, bm = abuf.unbind(0), bbuf.unbind(0)
+    extra = h if scan else 0
+    abuf = torch.empty(2 if scan else 1, nr + extra, dk, dk, dtype=torch.float32, device=dev)
+    bbuf = torch.empty(2 if scan else 1, nr + extra, dk, dv, dtype=torch.float32, device=dev)
     a_run, b_run = abuf[:, :nr].unbind(0), bbuf[:, :nr].unbind(0)
     chain(w, u, qg, kg, aqk, eg, cu_rows, cu_chunks, None, o, b_run[0].view(npc, h, dk, dv))
     u0 = torch.zeros(dk, dtype=u.dtype, device=dev).expand(u.shape[0], h, CHUNK, dk)
@@ -388,6 +378,9 @@ def _split_chain(chain, packed, cu_rows, cu_chunks, first, last, initial_state, 
     chain(w, u0, qg, kg, aqk, eg, cu_rows, cu_chunks, eye.expand(npc, h, dk, dk), scratch,
           a_run[0].view(npc, h, dk, dk))
     if scan:
+        abuf[:, nr:] = eye
+        bbuf[:, nr:] = 0.0
+        am, bm = abuf.unbind(0), bbuf.unbind(0)
         steps, prev, seq = _compose_tables(tuple(first), h, dev)
         # X_p <- X_p o X_{p-d}: (A, B) o (A', B') = (A A', A B' + B); the last step's A only
         # where an initial state needs it

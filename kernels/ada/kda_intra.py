@@ -601,7 +601,7 @@ class KdaIntraAda:
             dtb = dt_bias[h, col]
         cute.arch.sync_threads()
         acc = cutlass.Float32(0.0)
-        wide = cutlass.Float32(0.0)
+        widest = cutlass.Float32(0.0)
         for b in cutlass.range(RP // 16, unroll=1):
             r0 = part * RP + b * 16
             xv = cute.make_rmem_tensor((16,), cutlass.Float32)
@@ -626,8 +626,8 @@ class KdaIntraAda:
                 sG[r0 + e, col] = acc
                 if e == 0:
                     top = acc
-            wide = cute.arch.fmax(wide, top - acc)
-        spread[0] = wide
+            widest = cute.arch.fmax(widest, top - acc)
+        spread[0] = widest
         if cutlass.const_expr(HP == 2):
             if part == 0:
                 srow[col, 3] = acc
