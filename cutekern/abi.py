@@ -309,3 +309,27 @@ def kda_intra_abi(dtype: str, g: str) -> tuple:
         ScalarArg("lower_bound", "float32"),
         StreamArg(),
     )
+
+
+def w4a16_gemm_abi(dtype: str) -> tuple:
+    """ABI of the W4A16 skinny GEMM (decode; any scale group of a multiple of 64: K/64 blocks
+    over scales' K/group rows):
+
+      x       (B, K)            dtype   activations, B <= 8 (or <= 16: the rows16 build)
+      packed  (N/16, K/64, 32, 4) int32 4-bit codes in cutekern.w4a16's fragment order
+      scales  (K/group, N)      dtype   one scale per (group, column)
+      out     (B, N)            dtype   out[b, n] = sum_k x[b, k] (code - 8) scale
+      ctas                      int32   the persistent grid's size, at most (sm count x the
+                                        config's ctas_per_sm)
+      ksplit                    int32   warps splitting a tile's K (a power of 2 dividing the
+                                        build's warps; 1: each warp a whole tile, no CTA sum)
+    """
+    return (
+        TensorArg("x", dtype, 2, align=8),
+        TensorArg("packed", "int32", 4, align=4),
+        TensorArg("scales", dtype, 2, align=8),
+        TensorArg("out", dtype, 2, align=1),
+        ScalarArg("ctas", "int32"),
+        ScalarArg("ksplit", "int32"),
+        StreamArg(),
+    )

@@ -501,29 +501,31 @@ def w4a16_dequantize(qweight, scales, group=128, dtype=torch.float64):
 
 
 def w4a16_fragments_dense(packed, scales, group=128):
-    """The W4A16 weight [N, K] in the scales' dtype as the tensor-core kernel will form it from
-    ``cutekern.w4a16``'s fragment order, emulated bit for bit. fp16: per 32-bit word, two
-    rounds of (word & 0x000f000f) | E and (word & 0x00f000f0) | E (E: 1024's fp16 pattern in
-    both halves), the first minus (1024 + 8), the second times 1/16 minus (64 + 8), the word
-    shifted right by 8 between rounds. bf16 (7 mantissa bits: a nibble at bits 4..7 would
-    reach the exponent): four rounds of (word & 0x000f000f) | E (128's bf16 pattern) minus
-    (128 + 8), shifted right by 4 between rounds. Either way exact (the nibble - 8), giving
-    registers 0..3 = nibbles (0, 4), (1, 5), (2, 6), (3, 7); then times the group's scale in
-    the 16-bit type (one rounding, as HMUL2), at the B fragment positions of
-    ``cutekern.w4a16.fragment_index``."""
-    from .w4a16 import TILE, fragment_index
+    """The W4A16 weight [N, K] (float64) as the GEMM forms it from ``cutekern.w4a16``'s
+    fragment order, emulated bit for bit up to the scale. fp16: per 32-bit word, two rounds of
+    (word & 0x000f000f) | E and (word & 0x00f000f0) | E (E: 1024's fp16 pattern in both
+    halves), the first minus (1024 + 8), the second times 1/16 minus (64 + 8) (one HFMA2 each),
+    the word shifted right by 8 between rounds. bf16 (7 mantissa bits: a nibble at bits 4..7
+    would reach the exponent): four rounds of (word & 0x000f000f) | E (128's bf16 pattern)
+    minus (128 + 8), shifted right by 4 between rounds. Either way exact (code - 8), giving
+    registers 0..3 = nibbles (0, 4), (1, 5), (2, 6), (3, 7), placed at the (k, n) of
+    ``cutekern.w4a16.fragment_index``; the kernel multiplies a group's fp32 partial sum by
+    the scale, i.e. uses (code - 8) x scale unrounded (here in float64)."""
+    from .w4a16 import KBLOCK, TILE, fragment_index
     dt = scales.dtype
     fp16 = dt == torch.float16
     magic, base = (0x6400, 1024.0) if fp16 else (0x4300, 128.0)
     e2 = magic | magic << 16
-    nt, kt = packed.shape[0], packed.shape[1]
+    nt, kb = packed.shape[0], packed.shape[1]
     word = packed.to(torch.int64) & 0xFFFFFFFF
 
     def halves(x, mul, sub):        # 16-bit patterns -> values; x * mul - sub is exact
         out = []
         for b in (x & 0xFFFF, x >> 16):
             v = torch.where(b >= 2 ** 15, b - 2 ** 16, b).to(torch.int16).view(dt)
-            out.append((v.float() * mul - sub).to(dt))
+            r = (v.float() * mul - sub).to(dt)
+            assert torch.equal(r.double(), v.double() * mul - sub), "dequant not exact"
+            out.append(r)
         return out
 
     regs = []                       # per register: (low half, high half)
@@ -536,15 +538,15 @@ def w4a16_fragments_dense(packed, scales, group=128):
         for _ in range(4):
             regs.append(halves((word & 0x000F000F) | e2, 1.0, base + 8.0))
             word = word >> 4
-    vals = torch.empty(nt, kt, 32, 8, dtype=dt)
+    vals = torch.empty(nt, kb, 32, 4, 8, dtype=dt)
     for r, (low, high) in enumerate(regs):
         vals[..., r], vals[..., r + 4] = low, high
     kk, nn = fragment_index()
-    k, n = kt * TILE, nt * TILE
-    dense = torch.empty(nt, kt, TILE, TILE, dtype=dt)
-    dense[:, :, kk, nn] = vals
+    k, n = kb * KBLOCK, nt * TILE
+    dense = torch.empty(nt, kb, KBLOCK, TILE, dtype=torch.float64)
+    dense[:, :, kk, nn] = vals.double()
     dense = dense.permute(1, 2, 0, 3).reshape(k, n)         # [K, N]
-    return (dense * scales.repeat_interleave(group, dim=0)).t()
+    return (dense * scales.double().repeat_interleave(group, dim=0)).t()
 
 
 def qwen3_params(cfg: Qwen3Config, seed=0, dtype=torch.bfloat16, device="cpu"):

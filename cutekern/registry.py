@@ -233,6 +233,22 @@ OPS: dict = {
         make=lambda k, dt, fl, cfg: k(dt["dtype"], dt["g"], fl["head_k"], cfg),
         doc="KDA prefill, the intra-chunk stage: per (chunk, head) the chain's inputs",
     ),
+    "w4a16_gemm": OpSpec(
+        name="w4a16_gemm",
+        abi=_abi.w4a16_gemm_abi,
+        # the megakernel's linear layers, Ada design first (the spec's design); SM100 gets
+        # its sm_100a / sm_103a builds (mma.sync and cp.async run there; never run here)
+        designs={"ada": DesignImpl("kernels.ada.w4a16_gemm", "W4a16GemmAda",
+                                   "W4a16GemmAdaConfig")},
+        extra_arches=(("ada", ("sm_100a", "sm_103a")),),
+        # rows16: the build for batches of 9..16 rows (the other loads rows 0..7 only);
+        # wide: 32-column tiles over 4 warps (long N), else 16-column tiles over 8 warps
+        variants=tuple(((("dtype", dt),), (("rows16", r), ("wide", w)))
+                       for dt in ("float16", "bfloat16") for r in (False, True)
+                       for w in (False, True)),
+        make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["rows16"], fl["wide"], cfg),
+        doc="W4A16 skinny GEMM of decode: out = x W^T, W as 4-bit codes x group scales",
+    ),
 }
 
 

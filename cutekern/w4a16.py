@@ -1,25 +1,28 @@
 """W4A16 weights in tensor-core fragment order: the prepare step of the megakernel's linear
-layers (kernels/CONTRACT_MEGAKERNEL.md, "W4A16 fragment order"). No kernel reads it yet.
+layers (kernels/CONTRACT_MEGAKERNEL.md, "W4A16 fragment order"), read by the W4A16 GEMM
+(kernels/ada/w4a16_gemm.py, ``w4a16_linear``).
 
 GPTQ keeps a W4A16 g128 weight as qweight int32 [K / 8, N] (input channel k in nibble k % 8
-of row k // 8, zero point 8) and scales [K / group, N] (``reference.w4a16_quantize``). A
-tensor-core GEMV / skinny GEMM (mma.sync m16n8k16, activations as A, weights as B) wants each
-thread's B fragments of a 16 (k) x 16 (n) tile in one 32-bit word, so that a warp reads a
-tile as 128 contiguous bytes and turns a word into its four 16-bit register pairs with a
-mask, an OR with an exponent constant and one subtract (or FMA) per register, and a shift
-between them (fp16: by 8, two registers per round; bf16, whose 7 mantissa bits cannot hold a
-nibble at bits 4..7: by 4, one register per round):
+of row k // 8, zero point 8) and scales [K / group, N] (``reference.w4a16_quantize``). The
+GEMM runs mma.sync m16n8k16 with activations as A and weights as B in the "permuted k"
+convention of kernels/_mma.py (any assignment of k to the instruction's slots is the same dot
+product when both operands use it): lane 4 g + q of a 32-wide k block takes the activation
+vector k 8q .. 8q + 7 (one 16-byte load) and the weights of the same 8 k of column g. So a
+lane's codes for 64 k and 16 columns are 4 words, one 16-byte load:
 
-    packed int32 [N / 16, K / 16, 32]: tile (n16, k16), lane l = 4 g + t holds
-      nibble 0: (k 2t,     n g)      nibble 4: (k 2t + 1, n g)        -> B register 0
-      nibble 1: (k 2t + 8, n g)      nibble 5: (k 2t + 9, n g)        -> B register 1
-      nibble 2: (k 2t,     n g + 8)  nibble 6: (k 2t + 1, n g + 8)    -> B register 2
-      nibble 3: (k 2t + 8, n g + 8)  nibble 7: (k 2t + 9, n g + 8)    -> B register 3
-    (nibble i at bits 4i; registers 0 / 1: the first n8 atom's b0b1 / b2b3, 2 / 3: the
-    second's, in PTX's m16n8k16 B fragment order: row 2t + (i & 1) + 8 (i >= 2), column g)
+    packed int32 [N / 16, K / 64, 32, 4]: block (n16, k64), lane l = 4 g + q, word v = 2 h + a
+      holds the codes of column 16 n16 + g + 8 a at k = 64 k64 + 32 h + 8 q + e:
+      e = 2 i in nibble i, e = 2 i + 1 in nibble i + 4 (i = 0..3; nibble i at bits 4 i)
 
-``reference.w4a16_fragments_dense`` emulates the kernel's register-level dequant of this
-layout bit for bit; tests/test_w4a16.py checks it against GPTQ's storage.
+so register i of the word's dequant (nibbles i and i + 4 in its two halves: fp16, two rounds
+of ``(w & 0x000f000f) | 0x64006400`` - (1024 + 8) and ``(w & 0x00f000f0) | 0x64006400`` x 1/16
+- (64 + 8), w >>= 8 between; bf16, whose 7 mantissa bits cannot take a nibble at bits 4..7,
+four rounds of ``(w & 0x000f000f) | 0x43004300`` - (128 + 8), w >>= 4 between) is the B
+register of k 8q + 2i, 8q + 2i + 1: registers 0, 1 feed the first m16n8k16 step of the
+32-wide block, 2, 3 the second, in the order of the activation vector's words. Each register
+holds code - 8 exactly; the kernel scales a group's fp32 partial sum (no 16-bit rounding of
+code x scale). ``reference.w4a16_fragments_dense`` emulates that dequant bit for bit;
+tests/test_w4a16.py checks it against GPTQ's storage.
 """
 from __future__ import annotations
 
@@ -29,11 +32,11 @@ import torch
 
 from .reference import pack_nibbles, w4a16_nibbles
 
-TILE = 16
+TILE = 16          # output columns per block
+KBLOCK = 64        # k per block (a lane's 16 bytes)
 SCALE_DTYPES = (torch.float16, torch.bfloat16)
-# nibble i of a lane's word: (k offset beyond 2t, n offset beyond g)
-NIBBLE_K = (0, 8, 0, 8, 1, 9, 1, 9)
-NIBBLE_N = (0, 0, 8, 8, 0, 0, 8, 8)
+# nibble i of a lane's word: k offset beyond the lane's 8q
+NIBBLE_K = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 def _err(name, msg):
@@ -42,7 +45,7 @@ def _err(name, msg):
 
 @dataclass(frozen=True)
 class W4A16Weight:
-    """A prepared W4A16 weight: ``packed`` int32 [N / 16, K / 16, 32] in fragment order,
+    """A prepared W4A16 weight: ``packed`` int32 [N / 16, K / 64, 32, 4] in fragment order,
     ``scales`` [K / group, N] as given (fp16 or bf16: the kernel's operand type)."""
     packed: torch.Tensor
     scales: torch.Tensor
@@ -52,12 +55,14 @@ class W4A16Weight:
 
 
 def fragment_index(device=None):
-    """(k, n) offsets inside a 16 x 16 tile of every (lane, nibble): two int64 [32, 8]."""
-    lane = torch.arange(32, device=device)
-    t, g = (lane % 4)[:, None], (lane // 4)[:, None]
-    kk = 2 * t + torch.tensor(NIBBLE_K, device=device)[None, :]
-    nn = g + torch.tensor(NIBBLE_N, device=device)[None, :]
-    return kk, nn
+    """(k, n) offsets inside a 64 (k) x 16 (n) block of every (lane, word, nibble): two int64
+    [32, 4, 8]."""
+    lane = torch.arange(32, device=device)[:, None, None]
+    word = torch.arange(4, device=device)[None, :, None]
+    nib = torch.tensor(NIBBLE_K, device=device)[None, None, :]
+    kk = 32 * (word // 2) + 8 * (lane % 4) + nib
+    nn = lane // 4 + 8 * (word % 2)
+    return kk, nn.expand_as(kk)
 
 
 def prepare_w4a16(qweight: torch.Tensor, scales: torch.Tensor, group: int = 128) -> W4A16Weight:
@@ -76,9 +81,9 @@ def prepare_w4a16(qweight: torch.Tensor, scales: torch.Tensor, group: int = 128)
                         f"got {scales.dtype}")
     if scales.device != qweight.device:
         raise _err("scales", f"must be on {qweight.device} like qweight, got {scales.device}")
-    if not isinstance(group, int) or group <= 0 or group % TILE:
-        raise _err("group", f"must be a positive multiple of {TILE} (a k16 tile in one group), "
-                            f"got {group!r}")
+    if not isinstance(group, int) or group <= 0 or group % KBLOCK:
+        raise _err("group", f"must be a positive multiple of {KBLOCK} (a lane's k block in one "
+                            f"group), got {group!r}")
     k8, n = qweight.shape
     k = 8 * k8
     if k % group or k == 0:
@@ -89,8 +94,139 @@ def prepare_w4a16(qweight: torch.Tensor, scales: torch.Tensor, group: int = 128)
     if tuple(scales.shape) != (k // group, n):
         raise _err("scales", f"must be [K / group, N] = [{k // group}, {n}], got "
                              f"{tuple(scales.shape)}")
-    nib = w4a16_nibbles(qweight)                                               # [K, N]
-    tiles = nib.reshape(k // TILE, TILE, n // TILE, TILE).permute(2, 0, 1, 3)  # [NT, KT, k, n]
+    nib = w4a16_nibbles(qweight)                                                    # [K, N]
+    blocks = nib.reshape(k // KBLOCK, KBLOCK, n // TILE, TILE).permute(2, 0, 1, 3)  # [NT, KB, k, n]
     kk, nn = fragment_index(qweight.device)
-    packed = pack_nibbles(tiles[:, :, kk, nn])                                 # [NT, KT, 32]
+    packed = pack_nibbles(blocks[:, :, kk, nn])                                # [NT, KB, 32, 4]
     return W4A16Weight(packed.contiguous(), scales, k, n, group)
+
+
+# ---------------------------------------------------------------------------- the GEMM
+ROWS_PER_LAUNCH = 16     # the kernel's A tile: larger batches run in slices of 16 rows
+_DT_NAME = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _check_linear(x, weight, out):
+    if not isinstance(weight, W4A16Weight):
+        raise TypeError(f"w4a16_linear: argument 'weight' must be a W4A16Weight "
+                        f"(prepare_w4a16), got {type(weight).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"w4a16_linear: argument 'x' must be a torch.Tensor, got "
+                        f"{type(x).__name__}")
+    if x.dtype != weight.scales.dtype:
+        raise TypeError(f"w4a16_linear: argument 'x' must have the scales' dtype "
+                        f"{weight.scales.dtype}, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != weight.k:
+        raise ValueError(f"w4a16_linear: argument 'x' must be [..., K = {weight.k}], got shape "
+                         f"{tuple(x.shape)}")
+    if x.device != weight.packed.device:
+        raise ValueError(f"w4a16_linear: argument 'x' must be on the weight's device "
+                         f"{weight.packed.device}, got {x.device}")
+    if weight.group % KBLOCK:
+        raise ValueError(f"w4a16_linear: argument 'weight' has group {weight.group}: the "
+                         f"kernel needs a multiple of {KBLOCK}")
+    k, n = weight.k, weight.n
+    if (tuple(weight.packed.shape) != (n // TILE, k // KBLOCK, 32, 4)
+            or weight.packed.dtype != torch.int32 or not weight.packed.is_contiguous()
+            or tuple(weight.scales.shape) != (k // weight.group, n)
+            or weight.scales.stride(-1) != 1 or weight.scales.device != weight.packed.device):
+        raise ValueError("w4a16_linear: argument 'weight' is not a prepare_w4a16 result "
+                         "(packed / scales shapes, dtype, layout or device)")
+    if out is not None:
+        want = (*x.shape[:-1], weight.n)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+            raise ValueError(f"w4a16_linear: argument 'out' must be a tensor of shape {want}")
+        if out.dtype != x.dtype or out.device != x.device:
+            raise TypeError(f"w4a16_linear: argument 'out' must be {x.dtype} on {x.device}, "
+                            f"got {out.dtype} on {out.device}")
+        if not out.is_contiguous():
+            raise ValueError("w4a16_linear: argument 'out' must be contiguous")
+
+
+def w4a16_linear(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None = None):
+    """y = x W^T for a prepared W4A16 weight (W [N, K] = (code - 8) x group scale): x [..., K]
+    in the scales' dtype (fp16 / bf16) -> [..., N] in that dtype, fp32 accumulation. The
+    decode GEMM of the megakernel's linear layers, as its own launch (the Ada design:
+    kernels/ada/w4a16_gemm.py; sm_90a runs that design, SM100 its sm_100a / sm_103a builds,
+    never run here). Batches of any size run in slices of 16 rows (the kernel's A tile)."""
+    _check_linear(x, weight, out)
+    if not x.is_cuda:
+        raise ValueError(f"w4a16_linear: argument 'x' must be a CUDA tensor, got {x.device}")
+    x2 = x.reshape(-1, weight.k)
+    if out is None and torch.compiler.is_compiling():
+        y = _w4a16_op(x2, weight.packed, weight.scales, weight.group)
+        return y.view(*x.shape[:-1], weight.n)
+    x2 = _aligned_rows(x2)
+    y = out if out is not None else torch.empty(*x.shape[:-1], weight.n, dtype=x.dtype,
+                                                device=x.device)
+    _w4a16_impl(x2, weight.packed, weight.scales, weight.group, y.view(-1, weight.n))
+    return y
+
+
+def _aligned_rows(x2):
+    """x's rows as the kernel reads them: 16-byte vectors (a copy only when they are not)."""
+    if x2.stride(-1) != 1 or x2.data_ptr() % 16 or (x2.shape[0] > 1 and x2.stride(0) % 8):
+        x2 = x2.contiguous()
+    if x2.data_ptr() % 16:
+        x2 = x2.clone()
+    return x2
+
+
+def _w4a16_impl(x2, packed, scales, group, y2, check=False):
+    from .dispatch import get_function
+    from .runtime import _raw_stream
+    from .arch import sm_count
+    m = x2.shape[0]
+    stream = _raw_stream(x2.device)
+    sms = sm_count(x2.device)
+    wide = WIDE_OVERRIDE if WIDE_OVERRIDE is not None else wide_tiles(packed.shape[0] * TILE, sms)
+    for r0 in range(0, m, ROWS_PER_LAUNCH):
+        rows = min(ROWS_PER_LAUNCH, m - r0)
+        fn = get_function("w4a16_gemm", {"dtype": _DT_NAME[x2.dtype]},
+                          {"rows16": rows > 8, "wide": wide}, x2.device, design="ada")
+        cfg = fn.meta["config"]
+        ctas = CTAS_OVERRIDE or sms * cfg["wide_ctas_per_sm" if wide else "ctas_per_sm"]
+        warps = cfg["wide_warps" if wide else "warps"]
+        ks = KSPLIT_OVERRIDE or ksplit(packed.shape[0] * TILE, wide, ctas * warps, warps)
+        fn(x2[r0:r0 + rows], packed, scales, y2[r0:r0 + rows], ctas, ks, stream=stream,
+           check=check)
+
+
+# tests / tuning: force the build (wide or narrow) and the K split (a power of 2 dividing the
+# build's warps)
+WIDE_OVERRIDE = None
+KSPLIT_OVERRIDE = None
+CTAS_OVERRIDE = None     # tests: a small persistent grid (many tile rounds per CTA)
+
+
+def ksplit(n: int, wide: bool, grid_warps: int, warps: int) -> int:
+    """Warps per tile: the fewest (each sums more of K itself, fewer CTA-wide sums) that keep
+    every warp of the grid busy; a warp per tile (no CTA sum at all) for long N."""
+    tiles = -(-n // (32 if wide else 16))
+    ks = 1
+    while ks < warps and tiles * ks < grid_warps:
+        ks *= 2
+    return ks
+
+
+def wide_tiles(n: int, sms: int) -> bool:
+    """The wide build (32-column tiles, 4 warps splitting K) where N gives every CTA of its
+    grid two tiles or more; else the narrow one (16 columns, 8 warps: more warps per column
+    for a short N). Measured on the H200 (perf/NOTES.md, W4A16): wide ahead from N = 12288,
+    narrow at N = 2048."""
+    return n >= 2 * 32 * 3 * sms
+
+
+@torch.library.custom_op("cutekern::w4a16_linear", mutates_args=())
+def _w4a16_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+              group: int) -> torch.Tensor:
+    # reachable as torch.ops.cutekern.w4a16_linear without w4a16_linear's checks: the
+    # launches check their arguments
+    y = torch.empty(x.shape[0], scales.shape[1], dtype=x.dtype, device=x.device)
+    _w4a16_impl(_aligned_rows(x), packed, scales, group, y, check=True)
+    return y
+
+
+@_w4a16_op.register_fake
+def _(x, packed, scales, group):
+    return x.new_empty(x.shape[0], scales.shape[1])

@@ -52,6 +52,11 @@ OP_FINGERPRINTS = {
     ("kda_intra", "ada"): ({"LDGSTS", "LDSM", "HMMA"},
                            ATOMICS | {"HGMMA", "UTCHMMA", "UTMALDG", "LDL", "STL"}),
     ("bgmv_expand", "sm100"): ({"UTMALDG", "UBLKCP", "SYNCS", "VOTE"}, ATOMICS | {"LDGSTS"}),
+    # the W4A16 GEMM: cp.async rings and mma.sync on codes dequantized in registers (packed
+    # HFMA2), activations read back as 16-byte vectors (LDS, no ldmatrix: a lane's vector is
+    # its own A fragment), no atomics, no local memory
+    ("w4a16_gemm", "ada"): ({"LDGSTS", "LDGDEPBAR", "HMMA", "HFMA2"},
+                            ATOMICS | {"HGMMA", "UTCHMMA", "UTMALDG", "LDL", "STL"}),
 }
 
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from cutekern.reference import w4a16_dequantize, w4a16_fragments_dense, w4a16_quantize
-from cutekern.w4a16 import fragment_index, prepare_w4a16
+from cutekern.w4a16 import fragment_index, prepare_w4a16, w4a16_linear
 
 
 def _weight(n, k, dtype, seed, group=128):
@@ -14,44 +14,48 @@ def _weight(n, k, dtype, seed, group=128):
     return w4a16_quantize(w, group)
 
 
-def test_fragment_index_is_the_mma_b_layout():
-    """Lane 4 g + t, nibble i: PTX's m16n8k16 B fragment (row 2t + (i & 1) + 8 (i >= 2) of
-    the first n8 atom for registers 0, 1, the second atom for 2, 3), every (k, n) of a 16 x 16
-    tile exactly once."""
+def test_fragment_index_is_the_permuted_k_mma_layout():
+    """Lane 4 g + q, word 2 h + a: column g + 8 a; nibbles (r, r + 4) (register r of the
+    dequant) are k 32 h + 8 q + 2 r and + 1, the two halves of the B register that meets the
+    activation vector's word r (kernels/_mma.py's permuted k: lane q's 16-byte vector of a
+    32-wide k block is k 8q .. 8q + 7); every (k, n) of a 64 x 16 block exactly once."""
     kk, nn = fragment_index()
+    assert kk.shape == nn.shape == (32, 4, 8)
     cells = {(int(a), int(b)) for a, b in zip(kk.flatten(), nn.flatten())}
-    assert len(cells) == 256 and cells == {(a, b) for a in range(16) for b in range(16)}
+    assert len(cells) == 64 * 16 and cells == {(a, b) for a in range(64) for b in range(16)}
     for lane in range(32):
-        t, g = lane % 4, lane // 4
-        for reg in range(4):
-            for half, nib in enumerate((reg, reg + 4)):        # register r: nibbles r, r + 4
-                e = 2 * (reg % 2) + half                         # element of the n8 atom's b0..b3
-                assert kk[lane, nib] == 2 * t + (e & 1) + 8 * (e >= 2)
-                assert nn[lane, nib] == g + 8 * (reg // 2)
+        g, q = lane // 4, lane % 4
+        for word in range(4):
+            h, a = word // 2, word % 2
+            for reg in range(4):
+                for half, nib in enumerate((reg, reg + 4)):
+                    assert kk[lane, word, nib] == 32 * h + 8 * q + 2 * reg + half
+                    assert nn[lane, word, nib] == g + 8 * a
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.sampled_from([128, 256, 384]), st.integers(1, 6), st.sampled_from([torch.float16, torch.bfloat16]),
-       st.sampled_from([32, 64, 128]), st.integers(0, 2 ** 16))
+@given(st.sampled_from([128, 256, 384, 768]), st.integers(1, 6),
+       st.sampled_from([torch.float16, torch.bfloat16]), st.sampled_from([64, 128, 192, 256]),
+       st.integers(0, 2 ** 16))
 def test_fragment_dequant_equals_gptq_storage(k, n16, dtype, group, seed):
-    """Every weight element the kernel forms from the fragment order (masks, the exponent
-    constant, one subtract / FMA, the scale in the 16-bit type) equals GPTQ's storage
-    dequantized exactly and rounded once to that type."""
+    """Every weight the kernel forms from the fragment order (masks, the exponent constant,
+    one HFMA2: code - 8 exactly, then the group's scale) equals GPTQ's storage dequantized
+    exactly."""
     if k % group:
-        group = 32
+        group = 64
     qweight, scales = _weight(16 * n16, k, dtype, seed, group)
     prep = prepare_w4a16(qweight, scales, group)
-    assert prep.packed.shape == (n16, k // 16, 32) and prep.packed.dtype == torch.int32
+    assert prep.packed.shape == (n16, k // 64, 32, 4) and prep.packed.dtype == torch.int32
     got = w4a16_fragments_dense(prep.packed, prep.scales, group)
-    want = w4a16_dequantize(qweight, scales, group, torch.float64).to(dtype)
-    assert got.dtype == dtype and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    want = w4a16_dequantize(qweight, scales, group, torch.float64)
+    assert got.dtype == torch.float64 and torch.equal(got, want)
 
 
 def test_fragment_order_mutations_are_caught():
     """Swapping two nibbles of one word (or two lanes) changes the emulated weight."""
     qweight, scales = _weight(32, 256, torch.float16, 5)
     prep = prepare_w4a16(qweight, scales)
-    want = w4a16_dequantize(qweight, scales, 128, torch.float64).to(torch.float16)
+    want = w4a16_dequantize(qweight, scales, 128, torch.float64)
     bad = prep.packed.clone()
     bad[0, 0, 3], bad[0, 0, 4] = prep.packed[0, 0, 4], prep.packed[0, 0, 3]
     assert not torch.equal(w4a16_fragments_dense(bad, scales), want)
@@ -74,3 +78,26 @@ def test_prepare_names_the_bad_argument(args, exc, name):
         prepare_w4a16(*args)
     with pytest.raises(ValueError, match="'group'"):
         prepare_w4a16(torch.zeros(32, 16, dtype=torch.int32), torch.zeros(2, 16, dtype=torch.float16), 24)
+
+
+def _linear_case():
+    qweight, scales = _weight(32, 256, torch.float16, 7)
+    return prepare_w4a16(qweight, scales), torch.randn(3, 256).half()
+
+
+@pytest.mark.parametrize("mutate,exc,name", [
+    (lambda p, x: (x.float(), p, None), TypeError, "x"),
+    (lambda p, x: (x[:, :128], p, None), ValueError, "x"),
+    (lambda p, x: (x, p.packed, None), TypeError, "weight"),
+    (lambda p, x: (x, type(p)(p.packed[:1], p.scales, p.k, p.n, p.group), None), ValueError,
+     "weight"),
+    (lambda p, x: (x, p, torch.empty(3, 31).half()), ValueError, "out"),
+    (lambda p, x: (x, p, torch.empty(3, 32)), TypeError, "out"),
+    (lambda p, x: (x, p, torch.empty(32, 3).half().t()), ValueError, "out"),
+    (lambda p, x: (x, p, None), ValueError, "x"),          # a CPU tensor: must be CUDA
+])
+def test_linear_names_the_bad_argument(mutate, exc, name):
+    p, x = _linear_case()
+    xx, pp, out = mutate(p, x)
+    with pytest.raises(exc, match=f"'{name}'"):
+        w4a16_linear(xx, pp, out=out)

@@ -1,0 +1,380 @@
+"""Ada design of the W4A16 skinny GEMM of decode (batch 1..16; sm_80 / sm_89, also built for
+sm_90a to run on the H200): out[b, n] = sum_k x[b, k] W[n, k], W = (code - 8) x scale with
+4-bit codes in cutekern.w4a16's fragment order and one 16-bit scale per (group, column).
+
+One CTA per 16 output columns; its warps split K into runs of whole groups and each walks
+its run through a private ring of cp.async slots (per k64 block: the 512 B of codes, the
+block's activation vectors, and at a group's first block the group's 16 scales). A lane
+reads back exactly what it copied (codes, activations), so only the scales, copied by two
+lanes, need a warp barrier. Per block a lane turns its four code words into 16 registers of
+(code - 8) (mask, OR with an exponent pattern, one HFMA2 each: exact) and runs 8 mma.sync
+m16n8k16 with fp32 accumulation; a group's partial is scaled in fp32 when the group ends
+(no 16-bit rounding of code x scale). The warps' partials are summed in a fixed order
+through shared memory: no atomics, the same bits for any batch composition.
+
+Activations are rows of the A operand (rows >= the batch are zeros: never loaded); `rows16`
+builds also load rows 8..15 (batches of 9..16), the other build only rows 0..7.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cute.nvgpu import cpasync
+
+from kernels._mma import mma_block, words
+
+SASS_REQUIRED = ("LDGSTS", "HMMA")
+# one writer per output, fixed-order sums: no atomics; codes and partials stay in registers
+SASS_FORBIDDEN = ("HGMMA", "UTCHMMA", "UTMALDG", "ATOM", "ATOMG", "RED", "REDG", "LDL", "STL")
+
+SMEM_LIMIT_BYTES = 99 * 1024   # Ada's per-block limit, kept on sm_90a too
+
+_DTYPES = (cutlass.Float16, cutlass.BFloat16)
+_VEC = 8          # 16-bit elements per 16-byte vector
+_KBLK = 64        # k per block: a lane's 16 bytes of codes
+
+
+def _h2(lo: float, hi: float, fmt: str) -> int:
+    """Two 16-bit floats packed as the Int32 a packed (x2) instruction reads."""
+    if fmt == "e":
+        a, b = (struct.unpack("<H", struct.pack("<e", v))[0] for v in (lo, hi))
+    else:   # bf16: the high half of the fp32 pattern (exact for these constants)
+        a, b = (struct.unpack("<I", struct.pack("<f", v))[0] >> 16 for v in (lo, hi))
+    w = a | (b << 16)
+    return w - (1 << 32) if w >= 1 << 31 else w
+
+
+@dsl_user_op
+def fma2(a, b, c, bf16: bool, *, loc=None, ip=None):
+    """a * b + c on two packed 16-bit floats (fp16 or bf16), round to nearest."""
+    ty = "bf16x2" if bf16 else "f16x2"
+    ops = [Int32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c)]
+    res = llvm.inline_asm(T.i32(), ops, f"fma.rn.{ty} $0, $1, $2, $3;", "=r,r,r,r",
+                          has_side_effects=False, is_align_stack=False,
+                          asm_dialect=llvm.AsmDialect.AD_ATT)
+    return Int32(res)
+
+
+@dsl_user_op
+def and_or(a, b, c, *, loc=None, ip=None):
+    """(a & b) | c in one LOP3 (ptxas kept the AND and the OR apart)."""
+    ops = [Int32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c)]
+    res = llvm.inline_asm(T.i32(), ops, "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                          has_side_effects=False, is_align_stack=False,
+                          asm_dialect=llvm.AsmDialect.AD_ATT)
+    return Int32(res)
+
+
+@dataclass(frozen=True)
+class W4a16GemmAdaConfig:
+    # narrow build: 16-column tiles, K split over 8 warps (short N: enough warps per tile)
+    warps: int = 8          # K split inside the CTA (runs of whole groups per warp)
+    stages: int = 4         # ring slots per warp: stages - 1 blocks in flight while one computes
+    stages16: int = 3       # the same for the rows16 build (twice the activation bytes per slot)
+    ctas_per_sm: int = 2    # the persistent grid (the API launches sm_count x this, at most)
+    # wide build: 32-column tiles (two code blocks share a slot's activations), 4 warps
+    wide_warps: int = 4
+    wide_stages: int = 6
+    wide_stages16: int = 4
+    wide_ctas_per_sm: int = 3
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """One build's numbers (W4a16GemmAdaConfig's narrow or wide set)."""
+    warps: int
+    stages: int
+    nt: int               # 16-column code blocks per tile
+    ctas_per_sm: int
+    rh: int               # activation row halves (rows g and g + 8 for rows16)
+
+
+def build_shape(config: W4a16GemmAdaConfig, rows16: bool, wide: bool) -> _Shape:
+    if wide:
+        return _Shape(config.wide_warps, config.wide_stages16 if rows16 else config.wide_stages,
+                      2, config.wide_ctas_per_sm, 2 if rows16 else 1)
+    return _Shape(config.warps, config.stages16 if rows16 else config.stages, 1,
+                  config.ctas_per_sm, 2 if rows16 else 1)
+
+
+def smem_bytes(b: _Shape) -> int:
+    slot = b.nt * 512 + b.rh * 2 * 32 * 16 + b.nt * 32          # codes, activations, scales
+    return b.warps * (b.stages * slot + 2 * b.nt * 2 * 32 * 4 * 4)
+
+
+class W4a16GemmAda:
+    def __init__(self, dtype, rows16: bool, wide: bool = False,
+                 config: W4a16GemmAdaConfig = W4a16GemmAdaConfig()):
+        if not W4a16GemmAda.can_implement(dtype, rows16, wide, config):
+            raise ValueError(f"W4a16GemmAda cannot implement {dtype}, rows16={rows16}, "
+                             f"wide={wide}, {config}")
+        self.dtype = dtype
+        self.bf16 = dtype is cutlass.BFloat16
+        self.rows16 = rows16
+        self.b = build_shape(config, rows16, wide)
+        self.config = config
+
+    @staticmethod
+    def can_implement(dtype, rows16, wide, config: W4a16GemmAdaConfig) -> bool:
+        b = build_shape(config, rows16, wide)
+        if dtype not in _DTYPES or b.stages < 2 or b.warps < 1:
+            return False
+        return smem_bytes(b) <= SMEM_LIMIT_BYTES
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, x: cute.Tensor, packed: cute.Tensor, scales: cute.Tensor,
+                 out: cute.Tensor, ctas: cutlass.Int32, ksplit: cutlass.Int32,
+                 stream: cuda.CUstream):
+        tiles = (packed.shape[0] + self.b.nt - 1) // self.b.nt
+        rounds = (tiles + self.b.warps // ksplit - 1) // (self.b.warps // ksplit)
+        grid = cutlass.max(cutlass.min(ctas, rounds), 1)
+        # the occupancy bound also gives ptxas its register budget (without one it spilled a
+        # few registers of the rows-8 build on sm_100a at 93 registers)
+        self.kernel(x, packed, scales, out, ksplit).launch(
+            grid=[grid, 1, 1], block=[32 * self.b.warps, 1, 1], stream=stream,
+            min_blocks_per_mp=self.b.ctas_per_sm, preferred_smem_carveout=100)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, packed: cute.Tensor, scales: cute.Tensor,
+               out: cute.Tensor, ksplit: Int32):
+        W, R = self.b.warps, self.b.stages
+        NT = self.b.nt                            # code blocks (16 columns each) per tile
+        RH = self.b.rh                            # activation row halves (rows g, g + 8)
+        dt = self.dtype
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        g = lane >> 2
+        q = lane & 3
+
+        bt = x.shape[0]
+        BPG = packed.shape[1] // scales.shape[0]  # blocks per group
+        groups = scales.shape[0]
+        # the CTA's warps: WN tiles at a time, each split over ksplit warps (1: no CTA sum)
+        KS = ksplit
+        WN = W // KS
+        wn = warp // KS
+        ks = warp - wn * KS
+        g_lo = (groups * ks) // KS
+        g_hi = (groups * (ks + 1)) // KS
+        b_lo = g_lo * BPG
+        nblk = (g_hi - g_lo) * BPG                # this warp's run of k64 blocks per tile
+        n16 = packed.shape[0]
+        tiles = (n16 + NT - 1) // NT              # the last one may hold fewer blocks
+        rounds = (tiles + WN - 1) // WN
+        my_rounds = (rounds - bid + grid - 1) // grid   # rounds bid, bid + grid, ...
+        total = my_rounds * nblk
+
+        smem = cutlass.utils.SmemAllocator()
+        # per (warp, slot): codes [tile block][lane] (conflict-free 16-byte reads),
+        # activations [row half][k32 half][lane] (the same), the tile's scales; the warps'
+        # partials of two tiles (one barrier per tile)
+        sW = smem.allocate_tensor(Int32, cute.make_layout(W * R * NT * 32 * 4), 16)
+        sX = smem.allocate_tensor(dt, cute.make_layout(W * R * RH * 2 * 32 * _VEC), 16)
+        sS = smem.allocate_tensor(dt, cute.make_layout(W * R * NT * 16), 16)
+        red = smem.allocate_tensor(cutlass.Float32, cute.make_layout(2 * W * NT * 2 * 32 * 4), 16)
+
+        cp_w = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                   Int32, num_bits_per_copy=128)
+        cp_x = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                   dt, num_bits_per_copy=128)
+
+        # the dequant's constants: (code | E) * m + c = code - 8, exact in either type
+        if cutlass.const_expr(self.bf16):
+            e_pat, m0, c0 = 0x43004300, _h2(1.0, 1.0, "b"), _h2(-136.0, -136.0, "b")
+            m1, c1 = m0, c0
+        else:
+            e_pat, m0, c0 = 0x64006400, _h2(1.0, 1.0, "e"), _h2(-1032.0, -1032.0, "e")
+            m1, c1 = _h2(1.0 / 16, 1.0 / 16, "e"), _h2(-72.0, -72.0, "e")
+
+        # per (tile block, n8 atom): the tile's sum and the group's partial; per tile block
+        # the scales of columns 2q, 2q + 1, 8 + 2q, 9 + 2q
+        acc = [cute.make_rmem_tensor((4,), cutlass.Float32) for _ in range(2 * NT)]
+        part = [cute.make_rmem_tensor((4,), cutlass.Float32) for _ in range(2 * NT)]
+        sc = [cute.make_rmem_tensor((4,), cutlass.Float32) for _ in range(NT)]
+        for u in cutlass.range_constexpr(NT):
+            sc[u].fill(0.0)
+
+        # the copy side's position (item nx = tile it_t, block it_b of the run, ig = it_b % BPG,
+        # slot isl) runs stages - 1 items ahead of the compute side's, across tiles
+        nx = Int32(0)
+        it_t = Int32(0)
+        it_b = Int32(0)
+        ig = Int32(0)
+        isl = Int32(0)
+        for _ in cutlass.range_constexpr(R - 1):
+            if nx < total:
+                self._issue(x, packed, scales, sW, sX, sS, cp_w, cp_x, warp, lane, bt,
+                            (bid + it_t * grid) * WN + wn, b_lo + it_b, isl, ig == 0)
+            cute.arch.cp_async_commit_group()
+            nx, it_t, it_b, ig, isl = self._advance(nx, it_t, it_b, ig, isl, nblk, BPG)
+        csl = Int32(0)
+        for tl in cutlass.range(my_rounds, unroll=1):
+            for u in cutlass.range_constexpr(2 * NT):
+                acc[u].fill(0.0)
+            ic = Int32(0)
+            for _bi in cutlass.range(nblk, unroll=1):
+                # slot isl (computed one item ago) is free once every lane is past it (the
+                # scales come from other lanes)
+                cute.arch.sync_warp()
+                if nx < total:
+                    self._issue(x, packed, scales, sW, sX, sS, cp_w, cp_x, warp, lane, bt,
+                                (bid + it_t * grid) * WN + wn, b_lo + it_b, isl, ig == 0)
+                cute.arch.cp_async_commit_group()
+                nx, it_t, it_b, ig, isl = self._advance(nx, it_t, it_b, ig, isl, nblk, BPG)
+                cute.arch.cp_async_wait_group(R - 1)
+                cute.arch.sync_warp()
+                slot = warp * R + csl
+                if ic == 0:
+                    for u in cutlass.range_constexpr(NT):
+                        for a in cutlass.range_constexpr(2):
+                            part[2 * u + a].fill(0.0)
+                            for e in cutlass.range_constexpr(2):
+                                sc[u][2 * a + e] = sS[(slot * NT + u) * 16 + 8 * a + 2 * q
+                                                      + e].to(cutlass.Float32)
+                wf = cute.make_rmem_tensor((4 * NT,), Int32)
+                for u in cutlass.range_constexpr(NT):
+                    cute.autovec_copy(cute.local_tile(sW, (4,), ((slot * NT + u) * 32 + lane,)),
+                                      cute.local_tile(wf, (4,), (u,)))
+                for h in cutlass.range_constexpr(2):
+                    xa = cute.make_rmem_tensor((_VEC,), dt)
+                    xb = cute.make_rmem_tensor((_VEC,), dt)
+                    xa.fill(0.0)
+                    xb.fill(0.0)
+                    if g < bt:
+                        cute.autovec_copy(cute.local_tile(
+                            sX, (_VEC,), ((slot * RH * 2 + h) * 32 + lane,)), xa)
+                    if cutlass.const_expr(self.rows16):
+                        if g + 8 < bt:
+                            cute.autovec_copy(cute.local_tile(
+                                sX, (_VEC,), (((slot * RH + 1) * 2 + h) * 32 + lane,)), xb)
+                    xw, xbw = words(xa), words(xb)
+                    for u in cutlass.range_constexpr(NT):
+                        for a in cutlass.range_constexpr(2):
+                            regs = self._dequant(wf[4 * u + 2 * h + a], e_pat, m0, c0, m1, c1)
+                            mma_block(xw, xbw, regs, part[2 * u + a], self.bf16)
+                ic = ic + 1
+                if ic == BPG:
+                    ic = Int32(0)
+                    for u in cutlass.range_constexpr(NT):
+                        for a in cutlass.range_constexpr(2):
+                            for e in cutlass.range_constexpr(4):
+                                acc[2 * u + a][e] = (acc[2 * u + a][e]
+                                                     + part[2 * u + a][e] * sc[u][2 * a + e % 2])
+                csl = csl + 1
+                if csl == R:
+                    csl = Int32(0)
+
+            # lane (g, q), atom a of block u holds rows g / g + 8 at columns 16u + 8a + 2q, + 1
+            if KS == 1:
+                # the warp's own tile, whole K: straight from the accumulators
+                col0 = ((bid + tl * grid) * WN + wn) * (16 * NT)
+                for u in cutlass.range_constexpr(2 * NT):
+                    for e in cutlass.range_constexpr(4):
+                        row = g + 8 * (e >> 1)
+                        col = col0 + 8 * u + 2 * q + (e & 1)
+                        if (row < bt) & (col < out.shape[1]):
+                            out[row, col] = acc[u][e].to(dt)
+            else:
+                # the ksplit warps' partials of each tile, summed in warp order
+                rb = (tl & 1) * (W * NT * 2 * 32 * 4)
+                for u in cutlass.range_constexpr(2 * NT):
+                    for e in cutlass.range_constexpr(4):
+                        red[rb + ((warp * 2 * NT + u) * 32 + lane) * 4 + e] = acc[u][e]
+                cute.arch.sync_threads()
+                per_tile = 16 * NT * 8 * RH
+                for idx in cutlass.range(tidx, WN * per_tile, 32 * W, unroll=1):
+                    t = idx // per_tile
+                    rc = idx - t * per_tile
+                    row = rc // (16 * NT)
+                    col = rc - row * (16 * NT)
+                    ocol = ((bid + tl * grid) * WN + t) * (16 * NT) + col
+                    if (row < bt) & (ocol < out.shape[1]):
+                        u = col >> 3              # (block, atom) of the column
+                        src = ((u * 32 + 4 * (row & 7) + ((col & 7) >> 1)) * 4 + (col & 1)
+                               + 2 * (row >> 3))
+                        tot = cutlass.Float32(0.0)
+                        for kk in cutlass.range(KS, unroll=1):
+                            tot = tot + red[rb + (t * KS + kk) * 2 * NT * 32 * 4 + src]
+                        out[row, ocol] = tot.to(dt)
+        cute.arch.cp_async_wait_group(0)
+
+    # ------------------------------------------------------------------ helpers (traced inline)
+    def _dequant(self, w, e_pat, m0, c0, m1, c1):
+        """A code word -> its 4 B registers of (code - 8): register r = nibbles (r, r + 4)."""
+        regs = []
+        for r in range(4):
+            if self.bf16:
+                regs.append(fma2(and_or(w >> (4 * r), 0x000F000F, e_pat), m0, c0, True))
+            elif r % 2 == 0:
+                regs.append(fma2(and_or(w >> (4 * r), 0x000F000F, e_pat), m0, c0, False))
+            else:
+                regs.append(fma2(and_or(w >> (4 * r - 4), 0x00F000F0, e_pat), m1, c1, False))
+        return regs
+
+    @cute.jit
+    def _advance(self, nx: Int32, it_t: Int32, it_b: Int32, ig: Int32, isl: Int32,
+                 nblk: Int32, bpg: Int32):
+        """The copy side's next item (counters, no division per block)."""
+        nx = nx + 1
+        it_b = it_b + 1
+        ig = ig + 1
+        isl = isl + 1
+        if ig == bpg:
+            ig = Int32(0)
+        if it_b == nblk:
+            it_b = Int32(0)
+            it_t = it_t + 1
+        if isl == self.b.stages:
+            isl = Int32(0)
+        return nx, it_t, it_b, ig, isl
+
+    @cute.jit
+    def _issue(self, x: cute.Tensor, packed: cute.Tensor, scales: cute.Tensor, sW: cute.Tensor,
+               sX: cute.Tensor, sS: cute.Tensor, cp_w, cp_x, warp: Int32, lane: Int32,
+               bt: Int32, tile: Int32, kb: Int32, isl: Int32, group_start):
+        """cp.async k64 block kb of tile `tile` into the warp's slot isl: the lane's 16 bytes
+        of codes per tile block, its activation vectors (rows < bt), the tile's scales (lanes
+        0 .. 2 NT - 1, at a group's first block)."""
+        R, NT, RH = self.b.stages, self.b.nt, self.b.rh
+        BPG = packed.shape[1] // scales.shape[0]
+        g = lane >> 2
+        q = lane & 3
+        slot = warp * R + isl
+        for u in cutlass.range_constexpr(NT):
+            # past N (the last tile of an odd block count): nothing loaded, nothing stored
+            if tile * NT + u < packed.shape[0]:
+                src = cute.make_tensor(
+                    packed.iterator + cute.assume((tile * NT + u) * packed.stride[0]
+                                                  + kb * packed.stride[1]
+                                                  + lane * packed.stride[2], divby=4),
+                    cute.make_layout(4))
+                cute.copy(cp_w, src, cute.local_tile(sW, (4,), ((slot * NT + u) * 32 + lane,)))
+        for rh in cutlass.range_constexpr(RH):
+            row = g + 8 * rh
+            if row < bt:
+                for h in cutlass.range_constexpr(2):
+                    xs = cute.make_tensor(
+                        x.iterator + cute.assume(row * x.stride[0] + kb * _KBLK + 32 * h
+                                                 + _VEC * q, divby=_VEC),
+                        cute.make_layout(_VEC))
+                    cute.copy(cp_x, xs, cute.local_tile(
+                        sX, (_VEC,), (((slot * RH + rh) * 2 + h) * 32 + lane,)))
+        if group_start & (lane < 2 * NT) & (tile * NT + (lane >> 1) < packed.shape[0]):
+            ss = cute.make_tensor(
+                scales.iterator + cute.assume((kb // BPG) * scales.stride[0]
+                                              + tile * (16 * NT) + _VEC * lane, divby=_VEC),
+                cute.make_layout(_VEC))
+            cute.copy(cp_x, ss, cute.local_tile(sS, (_VEC,), (slot * 2 * NT + lane,)))
