@@ -187,7 +187,8 @@ def _w4a16_impl(x2, packed, scales, group, y2, check=False):
         cfg = fn.meta["config"]
         ctas = CTAS_OVERRIDE or sms * cfg["wide_ctas_per_sm" if wide else "ctas_per_sm"]
         warps = cfg["wide_warps" if wide else "warps"]
-        ks = KSPLIT_OVERRIDE or ksplit(packed.shape[0] * TILE, wide, ctas * warps, warps)
+        ks = KSPLIT_OVERRIDE or ksplit(packed.shape[0] * TILE, wide, ctas * warps, warps,
+                                       rows > 8)
         fn(x2[r0:r0 + rows], packed, scales, y2[r0:r0 + rows], ctas, ks, stream=stream,
            check=check)
 
@@ -199,11 +200,13 @@ KSPLIT_OVERRIDE = None
 CTAS_OVERRIDE = None     # tests: a small persistent grid (many tile rounds per CTA)
 
 
-def ksplit(n: int, wide: bool, grid_warps: int, warps: int) -> int:
+def ksplit(n: int, wide: bool, grid_warps: int, warps: int, rows16: bool = False) -> int:
     """Warps per tile: the fewest (each sums more of K itself, fewer CTA-wide sums) that keep
-    every warp of the grid busy; a warp per tile (no CTA sum at all) for long N."""
+    every warp of the grid busy; a warp per tile (no CTA sum at all) for long N, two for the
+    rows16 build (its shallower rings: LM head at 16 rows 109 -> 96 us on the H200, at 1 row
+    the same either way; perf/results/w4a16_ab_swap_h200.json)."""
     tiles = -(-n // (32 if wide else 16))
-    ks = 1
+    ks = 2 if rows16 and warps >= 2 else 1
     while ks < warps and tiles * ks < grid_warps:
         ks *= 2
     return ks

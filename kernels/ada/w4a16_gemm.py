@@ -2,18 +2,22 @@
 sm_90a to run on the H200): out[b, n] = sum_k x[b, k] W[n, k], W = (code - 8) x scale with
 4-bit codes in cutekern.w4a16's fragment order and one 16-bit scale per (group, column).
 
-One CTA per 16 output columns; its warps split K into runs of whole groups and each walks
-its run through a private ring of cp.async slots (per k64 block: the 512 B of codes, the
-block's activation vectors, and at a group's first block the group's 16 scales). A lane
-reads back exactly what it copied (codes, activations), so only the scales, copied by two
-lanes, need a warp barrier. Per block a lane turns its four code words into 16 registers of
-(code - 8) (mask, OR with an exponent pattern, one HFMA2 each: exact) and runs 8 mma.sync
-m16n8k16 with fp32 accumulation; a group's partial is scaled in fp32 when the group ends
-(no 16-bit rounding of code x scale). The warps' partials are summed in a fixed order
-through shared memory: no atomics, the same bits for any batch composition.
+Persistent CTAs take tiles of 16 (narrow build) or 32 (wide build) output columns in a static
+stride; `ksplit` warps share a tile, each summing a run of whole groups of K (ksplit = 1:
+each warp a whole tile and its own stores). Each warp streams its (tile, k64 block) items
+through a private ring of cp.async slots that runs across tiles (per slot: the lane's 16
+bytes of codes per 16-column block, its activation vectors, and at a group's first block
+the tile's scales). A lane reads back exactly what it copied (codes, activations), so only
+the scales, copied by 2 or 4 lanes, need a warp barrier.
 
-Activations are rows of the A operand (rows >= the batch are zeros: never loaded); `rows16`
-builds also load rows 8..15 (batches of 9..16), the other build only rows 0..7.
+The codes are the A operand of mma.sync m16n8k16 (16 columns x 16 k; a lane's words for
+columns g and g + 8 are its A rows) and the activations the B operand (8 batch rows per
+n8 tile: a lane's 16-byte vector of row g is its B fragment), so a batch of <= 8 rows costs
+4 mma per 16 columns x 64 k and no zero rows. Per block a lane turns each code word into 4
+registers of (code - 8) (shift, LOP3 with an exponent pattern, one HFMA2 each: exact); a
+group's fp32 partial is scaled when the group ends (no 16-bit rounding of code x scale).
+With ksplit > 1 the warps' partials are summed in a fixed order through shared memory: no
+atomics, the same bits for a row whatever the other rows of its launch.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import cpasync
 
-from kernels._mma import mma_block, words
+from kernels._mma import mma_16816, words
 
 SASS_REQUIRED = ("LDGSTS", "HMMA")
 # one writer per output, fixed-order sums: no atomics; codes and partials stay in registers
@@ -107,7 +111,7 @@ def build_shape(config: W4a16GemmAdaConfig, rows16: bool, wide: bool) -> _Shape:
 
 def smem_bytes(b: _Shape) -> int:
     slot = b.nt * 512 + b.rh * 2 * 32 * 16 + b.nt * 32          # codes, activations, scales
-    return b.warps * (b.stages * slot + 2 * b.nt * 2 * 32 * 4 * 4)
+    return b.warps * (b.stages * slot + 2 * b.nt * b.rh * 32 * 4 * 4)
 
 
 class W4a16GemmAda:
@@ -149,7 +153,8 @@ class W4a16GemmAda:
                out: cute.Tensor, ksplit: Int32):
         W, R = self.b.warps, self.b.stages
         NT = self.b.nt                            # code blocks (16 columns each) per tile
-        RH = self.b.rh                            # activation row halves (rows g, g + 8)
+        NB = self.b.rh                            # batch tiles of 8 rows (B operands)
+        NA = NT * NB                              # accumulator sets: (code block, batch tile)
         dt = self.dtype
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -182,9 +187,9 @@ class W4a16GemmAda:
         # activations [row half][k32 half][lane] (the same), the tile's scales; the warps'
         # partials of two tiles (one barrier per tile)
         sW = smem.allocate_tensor(Int32, cute.make_layout(W * R * NT * 32 * 4), 16)
-        sX = smem.allocate_tensor(dt, cute.make_layout(W * R * RH * 2 * 32 * _VEC), 16)
+        sX = smem.allocate_tensor(dt, cute.make_layout(W * R * NB * 2 * 32 * _VEC), 16)
         sS = smem.allocate_tensor(dt, cute.make_layout(W * R * NT * 16), 16)
-        red = smem.allocate_tensor(cutlass.Float32, cute.make_layout(2 * W * NT * 2 * 32 * 4), 16)
+        red = smem.allocate_tensor(cutlass.Float32, cute.make_layout(2 * W * NT * NB * 32 * 4), 16)
 
         cp_w = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    Int32, num_bits_per_copy=128)
@@ -199,11 +204,12 @@ class W4a16GemmAda:
             e_pat, m0, c0 = 0x64006400, _h2(1.0, 1.0, "e"), _h2(-1032.0, -1032.0, "e")
             m1, c1 = _h2(1.0 / 16, 1.0 / 16, "e"), _h2(-72.0, -72.0, "e")
 
-        # per (tile block, n8 atom): the tile's sum and the group's partial; per tile block
-        # the scales of columns 2q, 2q + 1, 8 + 2q, 9 + 2q
-        acc = [cute.make_rmem_tensor((4,), cutlass.Float32) for _ in range(2 * NT)]
-        part = [cute.make_rmem_tensor((4,), cutlass.Float32) for _ in range(2 * NT)]
-        sc = [cute.make_rmem_tensor((4,), cutlass.Float32) for _ in range(NT)]
+        # per (code block u, batch tile r): the tile's sum and the group's partial, D[n][batch]
+        # of one m16n8k16 (codes as A: 16 columns; activations as B: 8 rows of the batch);
+        # per code block the scales of columns g and g + 8
+        acc = [cute.make_rmem_tensor((4,), cutlass.Float32) for _ in range(NA)]
+        part = [cute.make_rmem_tensor((4,), cutlass.Float32) for _ in range(NA)]
+        sc = [cute.make_rmem_tensor((2,), cutlass.Float32) for _ in range(NT)]
         for u in cutlass.range_constexpr(NT):
             sc[u].fill(0.0)
 
@@ -213,16 +219,18 @@ class W4a16GemmAda:
         it_t = Int32(0)
         it_b = Int32(0)
         ig = Int32(0)
+        it_g = g_lo
         isl = Int32(0)
         for _ in cutlass.range_constexpr(R - 1):
             if nx < total:
                 self._issue(x, packed, scales, sW, sX, sS, cp_w, cp_x, warp, lane, bt,
-                            (bid + it_t * grid) * WN + wn, b_lo + it_b, isl, ig == 0)
+                            (bid + it_t * grid) * WN + wn, b_lo + it_b, it_g, isl, ig == 0)
             cute.arch.cp_async_commit_group()
-            nx, it_t, it_b, ig, isl = self._advance(nx, it_t, it_b, ig, isl, nblk, BPG)
+            nx, it_t, it_b, ig, it_g, isl = self._advance(nx, it_t, it_b, ig, it_g, isl, nblk,
+                                                          BPG, g_lo)
         csl = Int32(0)
         for tl in cutlass.range(my_rounds, unroll=1):
-            for u in cutlass.range_constexpr(2 * NT):
+            for u in cutlass.range_constexpr(NA):
                 acc[u].fill(0.0)
             ic = Int32(0)
             for _bi in cutlass.range(nblk, unroll=1):
@@ -231,19 +239,19 @@ class W4a16GemmAda:
                 cute.arch.sync_warp()
                 if nx < total:
                     self._issue(x, packed, scales, sW, sX, sS, cp_w, cp_x, warp, lane, bt,
-                                (bid + it_t * grid) * WN + wn, b_lo + it_b, isl, ig == 0)
+                                (bid + it_t * grid) * WN + wn, b_lo + it_b, it_g, isl, ig == 0)
                 cute.arch.cp_async_commit_group()
-                nx, it_t, it_b, ig, isl = self._advance(nx, it_t, it_b, ig, isl, nblk, BPG)
+                nx, it_t, it_b, ig, it_g, isl = self._advance(nx, it_t, it_b, ig, it_g, isl,
+                                                              nblk, BPG, g_lo)
                 cute.arch.cp_async_wait_group(R - 1)
                 cute.arch.sync_warp()
                 slot = warp * R + csl
                 if ic == 0:
                     for u in cutlass.range_constexpr(NT):
+                        for r in cutlass.range_constexpr(NB):
+                            part[u * NB + r].fill(0.0)
                         for a in cutlass.range_constexpr(2):
-                            part[2 * u + a].fill(0.0)
-                            for e in cutlass.range_constexpr(2):
-                                sc[u][2 * a + e] = sS[(slot * NT + u) * 16 + 8 * a + 2 * q
-                                                      + e].to(cutlass.Float32)
+                            sc[u][a] = sS[(slot * NT + u) * 16 + 8 * a + g].to(cutlass.Float32)
                 wf = cute.make_rmem_tensor((4 * NT,), Int32)
                 for u in cutlass.range_constexpr(NT):
                     cute.autovec_copy(cute.local_tile(sW, (4,), ((slot * NT + u) * 32 + lane,)),
@@ -255,46 +263,51 @@ class W4a16GemmAda:
                     xb.fill(0.0)
                     if g < bt:
                         cute.autovec_copy(cute.local_tile(
-                            sX, (_VEC,), ((slot * RH * 2 + h) * 32 + lane,)), xa)
+                            sX, (_VEC,), ((slot * NB * 2 + h) * 32 + lane,)), xa)
                     if cutlass.const_expr(self.rows16):
                         if g + 8 < bt:
                             cute.autovec_copy(cute.local_tile(
-                                sX, (_VEC,), (((slot * RH + 1) * 2 + h) * 32 + lane,)), xb)
-                    xw, xbw = words(xa), words(xb)
+                                sX, (_VEC,), (((slot * NB + 1) * 2 + h) * 32 + lane,)), xb)
+                    xs = [words(xa), words(xb)]
                     for u in cutlass.range_constexpr(NT):
-                        for a in cutlass.range_constexpr(2):
-                            regs = self._dequant(wf[4 * u + 2 * h + a], e_pat, m0, c0, m1, c1)
-                            mma_block(xw, xbw, regs, part[2 * u + a], self.bf16)
+                        # columns g (word 2h) and g + 8 (word 2h + 1): the A rows g / g + 8
+                        wlo = self._dequant(wf[4 * u + 2 * h], e_pat, m0, c0, m1, c1)
+                        whi = self._dequant(wf[4 * u + 2 * h + 1], e_pat, m0, c0, m1, c1)
+                        for r in cutlass.range_constexpr(NB):
+                            self._mma_k32(wlo, whi, xs[r], part[u * NB + r])
                 ic = ic + 1
                 if ic == BPG:
                     ic = Int32(0)
                     for u in cutlass.range_constexpr(NT):
-                        for a in cutlass.range_constexpr(2):
+                        for r in cutlass.range_constexpr(NB):
                             for e in cutlass.range_constexpr(4):
-                                acc[2 * u + a][e] = (acc[2 * u + a][e]
-                                                     + part[2 * u + a][e] * sc[u][2 * a + e % 2])
+                                ai = u * NB + r
+                                acc[ai][e] = acc[ai][e] + part[ai][e] * sc[u][e >> 1]
                 csl = csl + 1
                 if csl == R:
                     csl = Int32(0)
 
-            # lane (g, q), atom a of block u holds rows g / g + 8 at columns 16u + 8a + 2q, + 1
+            # lane (g, q), code block u, batch tile r: D[n][b] at n = 16u + g (c0, c1) and
+            # 16u + g + 8 (c2, c3), b = 8r + 2q (c0, c2) and 8r + 2q + 1 (c1, c3)
             if KS == 1:
                 # the warp's own tile, whole K: straight from the accumulators
                 col0 = ((bid + tl * grid) * WN + wn) * (16 * NT)
-                for u in cutlass.range_constexpr(2 * NT):
-                    for e in cutlass.range_constexpr(4):
-                        row = g + 8 * (e >> 1)
-                        col = col0 + 8 * u + 2 * q + (e & 1)
-                        if (row < bt) & (col < out.shape[1]):
-                            out[row, col] = acc[u][e].to(dt)
+                for u in cutlass.range_constexpr(NT):
+                    for r in cutlass.range_constexpr(NB):
+                        for e in cutlass.range_constexpr(4):
+                            row = 8 * r + 2 * q + (e & 1)
+                            col = col0 + 16 * u + g + 8 * (e >> 1)
+                            if (row < bt) & (col < out.shape[1]):
+                                out[row, col] = acc[u * NB + r][e].to(dt)
             else:
                 # the ksplit warps' partials of each tile, summed in warp order
-                rb = (tl & 1) * (W * NT * 2 * 32 * 4)
-                for u in cutlass.range_constexpr(2 * NT):
+                rbase = (tl & 1) * (W * NT * NB * 32 * 4)
+                for u in cutlass.range_constexpr(NA):
                     for e in cutlass.range_constexpr(4):
-                        red[rb + ((warp * 2 * NT + u) * 32 + lane) * 4 + e] = acc[u][e]
+                        ri = rbase + ((warp * NT * NB + u) * 32 + lane) * 4 + e
+                        red[ri] = acc[u][e]
                 cute.arch.sync_threads()
-                per_tile = 16 * NT * 8 * RH
+                per_tile = 16 * NT * 8 * NB
                 for idx in cutlass.range(tidx, WN * per_tile, 32 * W, unroll=1):
                     t = idx // per_tile
                     rc = idx - t * per_tile
@@ -302,16 +315,27 @@ class W4a16GemmAda:
                     col = rc - row * (16 * NT)
                     ocol = ((bid + tl * grid) * WN + t) * (16 * NT) + col
                     if (row < bt) & (ocol < out.shape[1]):
-                        u = col >> 3              # (block, atom) of the column
-                        src = ((u * 32 + 4 * (row & 7) + ((col & 7) >> 1)) * 4 + (col & 1)
-                               + 2 * (row >> 3))
+                        c16 = col & 15
+                        src = ((((col >> 4) * NB + (row >> 3)) * 32 + 4 * (c16 & 7)
+                                + ((row & 7) >> 1)) * 4 + 2 * (c16 >> 3) + (row & 1))
                         tot = cutlass.Float32(0.0)
                         for kk in cutlass.range(KS, unroll=1):
-                            tot = tot + red[rb + (t * KS + kk) * 2 * NT * 32 * 4 + src]
+                            tot = tot + red[rbase + (t * KS + kk) * NT * NB * 32 * 4 + src]
                         out[row, ocol] = tot.to(dt)
         cute.arch.cp_async_wait_group(0)
 
     # ------------------------------------------------------------------ helpers (traced inline)
+    def _mma_k32(self, wlo, whi, xw, acc):
+        """acc (D[n][b], 4 fp32) += the 32-wide k block's two m16n8k16 steps: A rows g / g + 8
+        = columns g / g + 8 (dequant registers wlo / whi), B = the 4 words of the lane's
+        activation vector (permuted k: registers 0, 1 and words 0, 1 are the first step)."""
+        d = [acc[i] for i in range(4)]
+        for st in range(2):
+            d = mma_16816([wlo[2 * st], whi[2 * st], wlo[2 * st + 1], whi[2 * st + 1]],
+                          [xw[2 * st], xw[2 * st + 1]], d, self.bf16)
+        for i in range(4):
+            acc[i] = d[i]
+
     def _dequant(self, w, e_pat, m0, c0, m1, c1):
         """A code word -> its 4 B registers of (code - 8): register r = nibbles (r, r + 4)."""
         regs = []
@@ -325,31 +349,33 @@ class W4a16GemmAda:
         return regs
 
     @cute.jit
-    def _advance(self, nx: Int32, it_t: Int32, it_b: Int32, ig: Int32, isl: Int32,
-                 nblk: Int32, bpg: Int32):
-        """The copy side's next item (counters, no division per block)."""
+    def _advance(self, nx: Int32, it_t: Int32, it_b: Int32, ig: Int32, it_g: Int32, isl: Int32,
+                 nblk: Int32, bpg: Int32, g_lo: Int32):
+        """The copy side's next item (counters, no division per block): item nx is block
+        it_b of the run of round it_t, in group it_g at position ig, slot isl."""
         nx = nx + 1
         it_b = it_b + 1
         ig = ig + 1
         isl = isl + 1
         if ig == bpg:
             ig = Int32(0)
+            it_g = it_g + 1
         if it_b == nblk:
             it_b = Int32(0)
             it_t = it_t + 1
+            it_g = g_lo
         if isl == self.b.stages:
             isl = Int32(0)
-        return nx, it_t, it_b, ig, isl
+        return nx, it_t, it_b, ig, it_g, isl
 
     @cute.jit
     def _issue(self, x: cute.Tensor, packed: cute.Tensor, scales: cute.Tensor, sW: cute.Tensor,
                sX: cute.Tensor, sS: cute.Tensor, cp_w, cp_x, warp: Int32, lane: Int32,
-               bt: Int32, tile: Int32, kb: Int32, isl: Int32, group_start):
-        """cp.async k64 block kb of tile `tile` into the warp's slot isl: the lane's 16 bytes
-        of codes per tile block, its activation vectors (rows < bt), the tile's scales (lanes
-        0 .. 2 NT - 1, at a group's first block)."""
+               bt: Int32, tile: Int32, kb: Int32, grp: Int32, isl: Int32, group_start):
+        """cp.async k64 block kb (in scale group grp) of tile `tile` into the warp's slot isl:
+        the lane's 16 bytes of codes per tile block, its activation vectors (rows < bt), the
+        tile's scales (lanes 0 .. 2 NT - 1, at a group's first block)."""
         R, NT, RH = self.b.stages, self.b.nt, self.b.rh
-        BPG = packed.shape[1] // scales.shape[0]
         g = lane >> 2
         q = lane & 3
         slot = warp * R + isl
@@ -362,7 +388,7 @@ class W4a16GemmAda:
                                                   + lane * packed.stride[2], divby=4),
                     cute.make_layout(4))
                 cute.copy(cp_w, src, cute.local_tile(sW, (4,), ((slot * NT + u) * 32 + lane,)))
-        for rh in cutlass.range_constexpr(RH):
+        for rh in cutlass.range_constexpr(self.b.rh):
             row = g + 8 * rh
             if row < bt:
                 for h in cutlass.range_constexpr(2):
@@ -374,7 +400,7 @@ class W4a16GemmAda:
                         sX, (_VEC,), (((slot * RH + rh) * 2 + h) * 32 + lane,)))
         if group_start & (lane < 2 * NT) & (tile * NT + (lane >> 1) < packed.shape[0]):
             ss = cute.make_tensor(
-                scales.iterator + cute.assume((kb // BPG) * scales.stride[0]
+                scales.iterator + cute.assume(grp * scales.stride[0]
                                               + tile * (16 * NT) + _VEC * lane, divby=_VEC),
                 cute.make_layout(_VEC))
             cute.copy(cp_x, ss, cute.local_tile(sS, (_VEC,), (slot * 2 * NT + lane,)))
