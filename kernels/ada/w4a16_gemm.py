@@ -215,19 +215,24 @@ class W4a16GemmAda:
 
         # the copy side's position (item nx = tile it_t, block it_b of the run, ig = it_b % BPG,
         # slot isl) runs stages - 1 items ahead of the compute side's, across tiles
+        # and the element offsets of its copies (codes: tile and block; activations: block;
+        # scales: group and tile), stepped by additions (no multiplies per block)
         nx = Int32(0)
         it_t = Int32(0)
         it_b = Int32(0)
         ig = Int32(0)
-        it_g = g_lo
         isl = Int32(0)
+        tile0 = bid * WN + wn
+        st = (tile0, tile0 * NT * packed.stride[0] + b_lo * packed.stride[1], b_lo * _KBLK,
+              g_lo * scales.stride[0] + tile0 * (16 * NT))
         for _ in cutlass.range_constexpr(R - 1):
             if nx < total:
-                self._issue(x, packed, scales, sW, sX, sS, cp_w, cp_x, warp, lane, bt,
-                            (bid + it_t * grid) * WN + wn, b_lo + it_b, it_g, isl, ig == 0)
+                self._issue(x, packed, scales, sW, sX, sS, cp_w, cp_x, warp, lane, bt, st, isl,
+                            ig == 0)
             cute.arch.cp_async_commit_group()
-            nx, it_t, it_b, ig, it_g, isl = self._advance(nx, it_t, it_b, ig, it_g, isl, nblk,
-                                                          BPG, g_lo)
+            nx, it_t, it_b, ig, isl, st = self._advance(
+                nx, it_t, it_b, ig, isl, st, nblk, BPG, packed, scales, bid, grid, WN, wn, b_lo,
+                g_lo)
         csl = Int32(0)
         for tl in cutlass.range(my_rounds, unroll=1):
             for u in cutlass.range_constexpr(NA):
@@ -238,11 +243,12 @@ class W4a16GemmAda:
                 # scales come from other lanes)
                 cute.arch.sync_warp()
                 if nx < total:
-                    self._issue(x, packed, scales, sW, sX, sS, cp_w, cp_x, warp, lane, bt,
-                                (bid + it_t * grid) * WN + wn, b_lo + it_b, it_g, isl, ig == 0)
+                    self._issue(x, packed, scales, sW, sX, sS, cp_w, cp_x, warp, lane, bt, st,
+                                isl, ig == 0)
                 cute.arch.cp_async_commit_group()
-                nx, it_t, it_b, ig, it_g, isl = self._advance(nx, it_t, it_b, ig, it_g, isl,
-                                                              nblk, BPG, g_lo)
+                nx, it_t, it_b, ig, isl, st = self._advance(
+                    nx, it_t, it_b, ig, isl, st, nblk, BPG, packed, scales, bid, grid, WN, wn,
+                    b_lo, g_lo)
                 cute.arch.cp_async_wait_group(R - 1)
                 cute.arch.sync_warp()
                 slot = warp * R + csl
@@ -349,33 +355,43 @@ class W4a16GemmAda:
         return regs
 
     @cute.jit
-    def _advance(self, nx: Int32, it_t: Int32, it_b: Int32, ig: Int32, it_g: Int32, isl: Int32,
-                 nblk: Int32, bpg: Int32, g_lo: Int32):
-        """The copy side's next item (counters, no division per block): item nx is block
-        it_b of the run of round it_t, in group it_g at position ig, slot isl."""
+    def _advance(self, nx: Int32, it_t: Int32, it_b: Int32, ig: Int32, isl: Int32, st,
+                 nblk: Int32, bpg: Int32, packed: cute.Tensor, scales: cute.Tensor, bid: Int32,
+                 grid: Int32, WN: Int32, wn: Int32, b_lo: Int32, g_lo: Int32):
+        """The copy side's next item: item nx is block it_b of the run of round it_t, at
+        position ig of its group, into slot isl; st = (tile, codes offset, activation offset,
+        scale offset), stepped by additions within a run, recomputed at a new tile."""
+        NT = self.b.nt
+        tile, wo, xo, so = st
         nx = nx + 1
         it_b = it_b + 1
         ig = ig + 1
         isl = isl + 1
+        wo = wo + packed.stride[1]
+        xo = xo + _KBLK
         if ig == bpg:
             ig = Int32(0)
-            it_g = it_g + 1
+            so = so + scales.stride[0]
         if it_b == nblk:
             it_b = Int32(0)
             it_t = it_t + 1
-            it_g = g_lo
+            tile = (bid + it_t * grid) * WN + wn
+            wo = tile * NT * packed.stride[0] + b_lo * packed.stride[1]
+            xo = b_lo * _KBLK
+            so = g_lo * scales.stride[0] + tile * (16 * NT)
         if isl == self.b.stages:
             isl = Int32(0)
-        return nx, it_t, it_b, ig, it_g, isl
+        return nx, it_t, it_b, ig, isl, (tile, wo, xo, so)
 
     @cute.jit
     def _issue(self, x: cute.Tensor, packed: cute.Tensor, scales: cute.Tensor, sW: cute.Tensor,
                sX: cute.Tensor, sS: cute.Tensor, cp_w, cp_x, warp: Int32, lane: Int32,
-               bt: Int32, tile: Int32, kb: Int32, grp: Int32, isl: Int32, group_start):
-        """cp.async k64 block kb (in scale group grp) of tile `tile` into the warp's slot isl:
-        the lane's 16 bytes of codes per tile block, its activation vectors (rows < bt), the
-        tile's scales (lanes 0 .. 2 NT - 1, at a group's first block)."""
+               bt: Int32, st, isl: Int32, group_start):
+        """cp.async one (tile, k64 block) item into the warp's slot isl (st: _advance's tile
+        and offsets): the lane's 16 bytes of codes per tile block, its activation vectors
+        (rows < bt), the tile's scales (lanes 0 .. 2 NT - 1, at a group's first block)."""
         R, NT, RH = self.b.stages, self.b.nt, self.b.rh
+        tile, wo, xo, so = st
         g = lane >> 2
         q = lane & 3
         slot = warp * R + isl
@@ -383,24 +399,22 @@ class W4a16GemmAda:
             # past N (the last tile of an odd block count): nothing loaded, nothing stored
             if tile * NT + u < packed.shape[0]:
                 src = cute.make_tensor(
-                    packed.iterator + cute.assume((tile * NT + u) * packed.stride[0]
-                                                  + kb * packed.stride[1]
+                    packed.iterator + cute.assume(wo + u * packed.stride[0]
                                                   + lane * packed.stride[2], divby=4),
                     cute.make_layout(4))
                 cute.copy(cp_w, src, cute.local_tile(sW, (4,), ((slot * NT + u) * 32 + lane,)))
-        for rh in cutlass.range_constexpr(self.b.rh):
+        for rh in cutlass.range_constexpr(RH):
             row = g + 8 * rh
             if row < bt:
                 for h in cutlass.range_constexpr(2):
                     xs = cute.make_tensor(
-                        x.iterator + cute.assume(row * x.stride[0] + kb * _KBLK + 32 * h
-                                                 + _VEC * q, divby=_VEC),
+                        x.iterator + cute.assume(row * x.stride[0] + xo + 32 * h + _VEC * q,
+                                                 divby=_VEC),
                         cute.make_layout(_VEC))
                     cute.copy(cp_x, xs, cute.local_tile(
                         sX, (_VEC,), (((slot * RH + rh) * 2 + h) * 32 + lane,)))
         if group_start & (lane < 2 * NT) & (tile * NT + (lane >> 1) < packed.shape[0]):
             ss = cute.make_tensor(
-                scales.iterator + cute.assume(grp * scales.stride[0]
-                                              + tile * (16 * NT) + _VEC * lane, divby=_VEC),
+                scales.iterator + cute.assume(so + _VEC * lane, divby=_VEC),
                 cute.make_layout(_VEC))
             cute.copy(cp_x, ss, cute.local_tile(sS, (_VEC,), (slot * 2 * NT + lane,)))
