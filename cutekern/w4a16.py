@@ -201,12 +201,13 @@ CTAS_OVERRIDE = None     # tests: a small persistent grid (many tile rounds per 
 
 
 def ksplit(n: int, wide: bool, grid_warps: int, warps: int, rows16: bool = False) -> int:
-    """Warps per tile: the fewest (each sums more of K itself, fewer CTA-wide sums) that keep
-    every warp of the grid busy; a warp per tile (no CTA sum at all) for long N, two for the
-    rows16 build (its shallower rings: LM head at 16 rows 109 -> 96 us on the H200, at 1 row
-    the same either way; perf/results/w4a16_ab_swap_h200.json)."""
+    """Warps per tile: the fewest that keep every warp of the grid busy, and at least two.
+    A warp per tile (no CTA-wide sum) measured no faster on the H200's LM head at 1 row and
+    slower at 2..16 rows (64.4 / 64.7 / 72.8 / 67.4 us with two warps per tile at 2 / 4 / 6 /
+    8 rows against 67.9 / 66.2 / 82.6 / 72.5, 96 against 109 at 16: perf/results/
+    w4a16_ab_ksplit3_h200.json, w4a16_ab_swap_h200.json); it stays reachable for tests."""
     tiles = -(-n // (32 if wide else 16))
-    ks = 2 if rows16 and warps >= 2 else 1
+    ks = 2 if warps >= 2 else 1
     while ks < warps and tiles * ks < grid_warps:
         ks *= 2
     return ks
