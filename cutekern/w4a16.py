@@ -4,11 +4,12 @@ layers (kernels/CONTRACT_MEGAKERNEL.md, "W4A16 fragment order"), read by the W4A
 
 GPTQ keeps a W4A16 g128 weight as qweight int32 [K / 8, N] (input channel k in nibble k % 8
 of row k // 8, zero point 8) and scales [K / group, N] (``reference.w4a16_quantize``). The
-GEMM runs mma.sync m16n8k16 with activations as A and weights as B in the "permuted k"
-convention of kernels/_mma.py (any assignment of k to the instruction's slots is the same dot
-product when both operands use it): lane 4 g + q of a 32-wide k block takes the activation
-vector k 8q .. 8q + 7 (one 16-byte load) and the weights of the same 8 k of column g. So a
-lane's codes for 64 k and 16 columns are 4 words, one 16-byte load:
+GEMM runs mma.sync m16n8k16 with the codes as A (16 columns) and the activations as B (8
+batch rows) in the "permuted k" convention of kernels/_mma.py (any assignment of k to the
+instruction's slots is the same dot product when both operands use it): lane 4 g + q of a
+32-wide k block takes the activation vector k 8q .. 8q + 7 of batch row g (one 16-byte load)
+and the codes of the same 8 k of columns g and g + 8 (its A rows). So a lane's codes for 64 k
+and 16 columns are 4 words, one 16-byte load:
 
     packed int32 [N / 16, K / 64, 32, 4]: block (n16, k64), lane l = 4 g + q, word v = 2 h + a
       holds the codes of column 16 n16 + g + 8 a at k = 64 k64 + 32 h + 8 q + e:
@@ -17,8 +18,8 @@ lane's codes for 64 k and 16 columns are 4 words, one 16-byte load:
 so register i of the word's dequant (nibbles i and i + 4 in its two halves: fp16, two rounds
 of ``(w & 0x000f000f) | 0x64006400`` - (1024 + 8) and ``(w & 0x00f000f0) | 0x64006400`` x 1/16
 - (64 + 8), w >>= 8 between; bf16, whose 7 mantissa bits cannot take a nibble at bits 4..7,
-four rounds of ``(w & 0x000f000f) | 0x43004300`` - (128 + 8), w >>= 4 between) is the B
-register of k 8q + 2i, 8q + 2i + 1: registers 0, 1 feed the first m16n8k16 step of the
+four rounds of ``(w & 0x000f000f) | 0x43004300`` - (128 + 8), w >>= 4 between) holds k
+8q + 2i, 8q + 2i + 1 of its column: registers 0, 1 feed the first m16n8k16 step of the
 32-wide block, 2, 3 the second, in the order of the activation vector's words. Each register
 holds code - 8 exactly; the kernel scales a group's fp32 partial sum (no 16-bit rounding of
 code x scale). ``reference.w4a16_fragments_dense`` emulates that dequant bit for bit;
@@ -187,8 +188,7 @@ def _w4a16_impl(x2, packed, scales, group, y2, check=False):
         cfg = fn.meta["config"]
         ctas = CTAS_OVERRIDE or sms * cfg["wide_ctas_per_sm" if wide else "ctas_per_sm"]
         warps = cfg["wide_warps" if wide else "warps"]
-        ks = KSPLIT_OVERRIDE or ksplit(packed.shape[0] * TILE, wide, ctas * warps, warps,
-                                       rows > 8)
+        ks = KSPLIT_OVERRIDE or ksplit(packed.shape[0] * TILE, wide, ctas * warps, warps)
         fn(x2[r0:r0 + rows], packed, scales, y2[r0:r0 + rows], ctas, ks, stream=stream,
            check=check)
 
@@ -200,7 +200,7 @@ KSPLIT_OVERRIDE = None
 CTAS_OVERRIDE = None     # tests: a small persistent grid (many tile rounds per CTA)
 
 
-def ksplit(n: int, wide: bool, grid_warps: int, warps: int, rows16: bool = False) -> int:
+def ksplit(n: int, wide: bool, grid_warps: int, warps: int) -> int:
     """Warps per tile: the fewest that keep every warp of the grid busy, and at least two.
     A warp per tile (no CTA-wide sum) measured no faster on the H200's LM head at 1 row and
     slower at 2..16 rows (64.4 / 64.7 / 72.8 / 67.4 us with two warps per tile at 2 / 4 / 6 /
@@ -214,11 +214,13 @@ def ksplit(n: int, wide: bool, grid_warps: int, warps: int, rows16: bool = False
 
 
 def wide_tiles(n: int, sms: int) -> bool:
-    """The wide build (32-column tiles, 4 warps splitting K) where N gives every CTA of its
-    grid two tiles or more; else the narrow one (16 columns, 8 warps: more warps per column
-    for a short N). Measured on the H200 (perf/NOTES.md, W4A16): wide ahead from N = 12288,
-    narrow at N = 2048."""
-    return n >= 2 * 32 * 3 * sms
+    """The wide build (32-column tiles, 4 warps splitting K) where its tiles are at least as
+    many as the SMs; else the narrow one (16 columns, 8 warps: more warps per column for a
+    short N). Same-process A/B on the H200 (K = 2048, 1 / 8 / 16 rows; perf/results/
+    w4a16_ab_wide_h200.json): N = 6144 wide 8.6 / 9.1 / 10.3 us vs narrow 9.4 / 10.2 / 11.8,
+    N = 12288 10.0 / 11.1 / 13.4 vs 13.0 / 14.8 / 20.0; N = 4096 narrow 7.2 / 8.2 / 8.7 vs
+    7.5 / 8.2 / 9.5; N = 2048, K = 6144 narrow 8.9 vs 11.4 at 1 row."""
+    return n >= 32 * sms
 
 
 @torch.library.custom_op("cutekern::w4a16_linear", mutates_args=())
