@@ -343,7 +343,7 @@ class W4a16GemmAda:
             acc[i] = d[i]
 
     def _dequant(self, w, e_pat, m0, c0, m1, c1):
-        """A code word -> its 4 B registers of (code - 8): register r = nibbles (r, r + 4)."""
+        """A code word -> its 4 registers of (code - 8): register r = nibbles (r, r + 4)."""
         regs = []
         for r in range(4):
             if self.bf16:
