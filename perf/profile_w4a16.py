@@ -1,5 +1,5 @@
 """One W4A16 GEMM launch (the LM head of Qwen3-1.7B, batch 1, bf16, group 128) for `ncu`
-(no timing here). Usage: CUTEKERN_ARTIFACTS=DIR ncu --clock-control none -k regex:kernel
+(no timing here). Usage: CUTEKERN_ARTIFACTS=DIR ncu --clock-control none -k regex:kernel_cutlass
 python3 perf/profile_w4a16.py [N K M]"""
 import sys
 
