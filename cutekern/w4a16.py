@@ -31,7 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .arch import sm_count
 from .reference import pack_nibbles, w4a16_nibbles
+from .runtime import _raw_stream
 
 TILE = 16          # output columns per block
 KBLOCK = 64        # k per block (a lane's 16 bytes)
@@ -103,7 +105,7 @@ def prepare_w4a16(qweight: torch.Tensor, scales: torch.Tensor, group: int = 128)
 
 
 # ---------------------------------------------------------------------------- the GEMM
-ROWS_PER_LAUNCH = 16     # the kernel's A tile: larger batches run in slices of 16 rows
+ROWS_PER_LAUNCH = 16     # the kernel's two n8 batch tiles: larger batches run in slices
 _DT_NAME = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -149,18 +151,18 @@ def w4a16_linear(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None 
     in the scales' dtype (fp16 / bf16) -> [..., N] in that dtype, fp32 accumulation. The
     decode GEMM of the megakernel's linear layers, as its own launch (the Ada design:
     kernels/ada/w4a16_gemm.py; sm_90a runs that design, SM100 its sm_100a / sm_103a builds,
-    never run here). Batches of any size run in slices of 16 rows (the kernel's A tile)."""
+    never run here). Batches of any size run in slices of 16 rows (ROWS_PER_LAUNCH)."""
     _check_linear(x, weight, out)
     if not x.is_cuda:
         raise ValueError(f"w4a16_linear: argument 'x' must be a CUDA tensor, got {x.device}")
     x2 = x.reshape(-1, weight.k)
     if out is None and torch.compiler.is_compiling():
-        y = _w4a16_op(x2, weight.packed, weight.scales, weight.group)
+        y = _w4a16_op(x2, weight.packed, weight.scales)
         return y.view(*x.shape[:-1], weight.n)
     x2 = _aligned_rows(x2)
     y = out if out is not None else torch.empty(*x.shape[:-1], weight.n, dtype=x.dtype,
                                                 device=x.device)
-    _w4a16_impl(x2, weight.packed, weight.scales, weight.group, y.view(-1, weight.n))
+    _w4a16_impl(x2, weight.packed, weight.scales, y.view(-1, weight.n))
     return y
 
 
@@ -173,10 +175,9 @@ def _aligned_rows(x2):
     return x2
 
 
-def _w4a16_impl(x2, packed, scales, group, y2, check=False):
+def _w4a16_impl(x2, packed, scales, y2, check=False):
+    """The launches (the kernel reads the group size off packed's and scales' shapes)."""
     from .dispatch import get_function
-    from .runtime import _raw_stream
-    from .arch import sm_count
     m = x2.shape[0]
     stream = _raw_stream(x2.device)
     sms = sm_count(x2.device)
@@ -224,15 +225,14 @@ def wide_tiles(n: int, sms: int) -> bool:
 
 
 @torch.library.custom_op("cutekern::w4a16_linear", mutates_args=())
-def _w4a16_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-              group: int) -> torch.Tensor:
+def _w4a16_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     # reachable as torch.ops.cutekern.w4a16_linear without w4a16_linear's checks: the
     # launches check their arguments
     y = torch.empty(x.shape[0], scales.shape[1], dtype=x.dtype, device=x.device)
-    _w4a16_impl(_aligned_rows(x), packed, scales, group, y, check=True)
+    _w4a16_impl(_aligned_rows(x), packed, scales, y, check=True)
     return y
 
 
 @_w4a16_op.register_fake
-def _(x, packed, scales, group):
+def _(x, packed, scales):
     return x.new_empty(x.shape[0], scales.shape[1])

@@ -98,7 +98,7 @@ class _Shape:
     stages: int
     nt: int               # 16-column code blocks per tile
     ctas_per_sm: int
-    rh: int               # activation row halves (rows g and g + 8 for rows16)
+    nb: int               # batch tiles of 8 rows (2 for rows16: rows g and g + 8)
 
 
 def build_shape(config: W4a16GemmAdaConfig, rows16: bool, wide: bool) -> _Shape:
@@ -110,8 +110,8 @@ def build_shape(config: W4a16GemmAdaConfig, rows16: bool, wide: bool) -> _Shape:
 
 
 def smem_bytes(b: _Shape) -> int:
-    slot = b.nt * 512 + b.rh * 2 * 32 * 16 + b.nt * 32          # codes, activations, scales
-    return b.warps * (b.stages * slot + 2 * b.nt * b.rh * 32 * 4 * 4)
+    slot = b.nt * 512 + b.nb * 2 * 32 * 16 + b.nt * 32          # codes, activations, scales
+    return b.warps * (b.stages * slot + 2 * b.nt * b.nb * 32 * 4 * 4)
 
 
 class W4a16GemmAda:
@@ -124,7 +124,6 @@ class W4a16GemmAda:
         self.bf16 = dtype is cutlass.BFloat16
         self.rows16 = rows16
         self.b = build_shape(config, rows16, wide)
-        self.config = config
 
     @staticmethod
     def can_implement(dtype, rows16, wide, config: W4a16GemmAdaConfig) -> bool:
@@ -153,7 +152,7 @@ class W4a16GemmAda:
                out: cute.Tensor, ksplit: Int32):
         W, R = self.b.warps, self.b.stages
         NT = self.b.nt                            # code blocks (16 columns each) per tile
-        NB = self.b.rh                            # batch tiles of 8 rows (B operands)
+        NB = self.b.nb                            # batch tiles of 8 rows (B operands)
         NA = NT * NB                              # accumulator sets: (code block, batch tile)
         dt = self.dtype
         tidx, _, _ = cute.arch.thread_idx()
@@ -263,18 +262,15 @@ class W4a16GemmAda:
                     cute.autovec_copy(cute.local_tile(sW, (4,), ((slot * NT + u) * 32 + lane,)),
                                       cute.local_tile(wf, (4,), (u,)))
                 for h in cutlass.range_constexpr(2):
-                    xa = cute.make_rmem_tensor((_VEC,), dt)
-                    xb = cute.make_rmem_tensor((_VEC,), dt)
-                    xa.fill(0.0)
-                    xb.fill(0.0)
-                    if g < bt:
-                        cute.autovec_copy(cute.local_tile(
-                            sX, (_VEC,), ((slot * NB * 2 + h) * 32 + lane,)), xa)
-                    if cutlass.const_expr(self.rows16):
-                        if g + 8 < bt:
+                    # batch tile bi's vector of this lane (row g + 8 bi; zeros past the batch)
+                    xs = []
+                    for bi in cutlass.range_constexpr(NB):
+                        xv = cute.make_rmem_tensor((_VEC,), dt)
+                        xv.fill(0.0)
+                        if g + 8 * bi < bt:
                             cute.autovec_copy(cute.local_tile(
-                                sX, (_VEC,), (((slot * NB + 1) * 2 + h) * 32 + lane,)), xb)
-                    xs = [words(xa), words(xb)]
+                                sX, (_VEC,), (((slot * NB + bi) * 2 + h) * 32 + lane,)), xv)
+                        xs.append(words(xv))
                     for u in cutlass.range_constexpr(NT):
                         # columns g (word 2h) and g + 8 (word 2h + 1): the A rows g / g + 8
                         wlo = self._dequant(wf[4 * u + 2 * h], e_pat, m0, c0, m1, c1)
@@ -390,7 +386,7 @@ class W4a16GemmAda:
         """cp.async one (tile, k64 block) item into the warp's slot isl (st: _advance's tile
         and offsets): the lane's 16 bytes of codes per tile block, its activation vectors
         (rows < bt), the tile's scales (lanes 0 .. 2 NT - 1, at a group's first block)."""
-        R, NT, RH = self.b.stages, self.b.nt, self.b.rh
+        R, NT, NB = self.b.stages, self.b.nt, self.b.nb
         tile, wo, xo, so = st
         g = lane >> 2
         q = lane & 3
@@ -403,8 +399,8 @@ class W4a16GemmAda:
                                                   + lane * packed.stride[2], divby=4),
                     cute.make_layout(4))
                 cute.copy(cp_w, src, cute.local_tile(sW, (4,), ((slot * NT + u) * 32 + lane,)))
-        for rh in cutlass.range_constexpr(RH):
-            row = g + 8 * rh
+        for bi in cutlass.range_constexpr(NB):
+            row = g + 8 * bi
             if row < bt:
                 for h in cutlass.range_constexpr(2):
                     xs = cute.make_tensor(
@@ -412,7 +408,7 @@ class W4a16GemmAda:
                                                  divby=_VEC),
                         cute.make_layout(_VEC))
                     cute.copy(cp_x, xs, cute.local_tile(
-                        sX, (_VEC,), (((slot * RH + rh) * 2 + h) * 32 + lane,)))
+                        sX, (_VEC,), (((slot * NB + bi) * 2 + h) * 32 + lane,)))
         if group_start & (lane < 2 * NT) & (tile * NT + (lane >> 1) < packed.shape[0]):
             ss = cute.make_tensor(
                 scales.iterator + cute.assume(so + _VEC * lane, divby=_VEC),
