@@ -311,6 +311,9 @@ def kda_intra_abi(dtype: str, g: str) -> tuple:
     )
 
 
+W4A16_KBLOCK = 64    # k per packed block: a lane's 16 bytes of codes (cutekern.w4a16's order)
+
+
 def w4a16_gemm_abi(dtype: str) -> tuple:
     """ABI of the W4A16 skinny GEMM (decode; any scale group of a multiple of 64: K/64 blocks
     over scales' K/group rows):

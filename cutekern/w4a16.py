@@ -31,12 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .abi import W4A16_KBLOCK
 from .arch import sm_count
 from .reference import pack_nibbles, w4a16_nibbles
 from .runtime import _raw_stream
 
 TILE = 16          # output columns per block
-KBLOCK = 64        # k per block (a lane's 16 bytes)
+KBLOCK = W4A16_KBLOCK    # k per block (a lane's 16 bytes), shared with the kernel
 SCALE_DTYPES = (torch.float16, torch.bfloat16)
 # nibble i of a lane's word: k offset beyond the lane's 8q
 NIBBLE_K = (0, 2, 4, 6, 1, 3, 5, 7)

@@ -33,6 +33,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import cpasync
 
+from cutekern.abi import W4A16_KBLOCK
 from kernels._mma import mma_16816, words
 
 SASS_REQUIRED = ("LDGSTS", "HMMA")
@@ -43,7 +44,7 @@ SMEM_LIMIT_BYTES = 99 * 1024   # Ada's per-block limit, kept on sm_90a too
 
 _DTYPES = (cutlass.Float16, cutlass.BFloat16)
 _VEC = 8          # 16-bit elements per 16-byte vector
-_KBLK = 64        # k per block: a lane's 16 bytes of codes
+_KBLK = W4A16_KBLOCK   # k per block: a lane's 16 bytes of codes
 
 
 def _h2(lo: float, hi: float, fmt: str) -> int:
