@@ -242,11 +242,12 @@ OPS: dict = {
                                    "W4a16GemmAdaConfig")},
         extra_arches=(("ada", ("sm_100a", "sm_103a")),),
         # rows16: the build for batches of 9..16 rows (the other loads rows 0..7 only);
-        # wide: 32-column tiles over 4 warps (long N), else 16-column tiles over 8 warps
-        variants=tuple(((("dtype", dt),), (("rows16", r), ("wide", w)))
+        # cols: output columns per tile: 16 over 8 warps (short N), 32 or 64 (rows 8 only)
+        # over 4 warps (long N)
+        variants=tuple(((("dtype", dt),), (("rows16", r), ("cols", c)))
                        for dt in ("float16", "bfloat16") for r in (False, True)
-                       for w in (False, True)),
-        make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["rows16"], fl["wide"], cfg),
+                       for c in ((16, 32) if r else (16, 32, 64))),
+        make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["rows16"], fl["cols"], cfg),
         doc="W4A16 skinny GEMM of decode: out = x W^T, W as 4-bit codes x group scales",
     ),
 }

@@ -182,47 +182,56 @@ def _w4a16_impl(x2, packed, scales, y2, check=False):
     m = x2.shape[0]
     stream = _raw_stream(x2.device)
     sms = sm_count(x2.device)
-    wide = WIDE_OVERRIDE if WIDE_OVERRIDE is not None else wide_tiles(packed.shape[0] * TILE, sms)
+    n = packed.shape[0] * TILE
     for r0 in range(0, m, ROWS_PER_LAUNCH):
         rows = min(ROWS_PER_LAUNCH, m - r0)
+        cols = tile_cols(n, rows > 8, sms) if COLS_OVERRIDE is None else COLS_OVERRIDE
+        cols = min(cols, 32) if rows > 8 else cols       # no 64-column build for rows 9..16
         fn = get_function("w4a16_gemm", {"dtype": _DT_NAME[x2.dtype]},
-                          {"rows16": rows > 8, "wide": wide}, x2.device, design="ada")
+                          {"rows16": rows > 8, "cols": cols}, x2.device, design="ada")
         cfg = fn.meta["config"]
-        ctas = CTAS_OVERRIDE or sms * cfg["wide_ctas_per_sm" if wide else "ctas_per_sm"]
-        warps = cfg["wide_warps" if wide else "warps"]
-        ks = KSPLIT_OVERRIDE or ksplit(packed.shape[0] * TILE, wide, ctas * warps, warps)
+        ctas = CTAS_OVERRIDE or sms * cfg["wide_ctas_per_sm" if cols > TILE else "ctas_per_sm"]
+        warps = cfg["wide_warps" if cols > TILE else "warps"]
+        ks = KSPLIT_OVERRIDE or ksplit(n, cols, ctas * warps, warps)
         fn(x2[r0:r0 + rows], packed, scales, y2[r0:r0 + rows], ctas, ks, stream=stream,
            check=check)
 
 
-# tests / tuning: force the build (wide or narrow) and the K split (a power of 2 dividing the
-# build's warps)
-WIDE_OVERRIDE = None
+# tests / tuning: force the build (16, 32 or 64 columns per tile) and the K split (a power of
+# 2 dividing the build's warps)
+COLS_OVERRIDE = None
 KSPLIT_OVERRIDE = None
 CTAS_OVERRIDE = None     # tests: a small persistent grid (many tile rounds per CTA)
 
 
-def ksplit(n: int, wide: bool, grid_warps: int, warps: int) -> int:
+def ksplit(n: int, cols: int, grid_warps: int, warps: int) -> int:
     """Warps per tile: the fewest that keep every warp of the grid busy, and at least two.
     A warp per tile (no CTA-wide sum) measured no faster on the H200's LM head at 1 row and
     slower at 2..16 rows (64.4 / 64.7 / 72.8 / 67.4 us with two warps per tile at 2 / 4 / 6 /
     8 rows against 67.9 / 66.2 / 82.6 / 72.5, 96 against 109 at 16: perf/results/
     w4a16_ab_ksplit3_h200.json, w4a16_ab_swap_h200.json); it stays reachable for tests."""
-    tiles = -(-n // (32 if wide else 16))
+    tiles = -(-n // cols)
     ks = 2 if warps >= 2 else 1
     while ks < warps and tiles * ks < grid_warps:
         ks *= 2
     return ks
 
 
-def wide_tiles(n: int, sms: int) -> bool:
-    """The wide build (32-column tiles, 4 warps splitting K) where its tiles are at least as
-    many as the SMs; else the narrow one (16 columns, 8 warps: more warps per column for a
-    short N). Same-process A/B on the H200 (K = 2048, 1 / 8 / 16 rows; perf/results/
-    w4a16_ab_wide_h200.json): N = 6144 wide 8.6 / 9.1 / 10.3 us vs narrow 9.4 / 10.2 / 11.8,
-    N = 12288 10.0 / 11.1 / 13.4 vs 13.0 / 14.8 / 20.0; N = 4096 narrow 7.2 / 8.2 / 8.7 vs
-    7.5 / 8.2 / 9.5; N = 2048, K = 6144 narrow 8.9 vs 11.4 at 1 row."""
-    return n >= 32 * sms
+def tile_cols(n: int, rows16: bool, sms: int) -> int:
+    """Output columns per tile. 32 (4 warps splitting K) where those tiles are at least as
+    many as the SMs, else 16 (8 warps: more warps per column for a short N). Same-process A/B
+    on the H200 (K = 2048, 1 / 8 / 16 rows; perf/results/w4a16_ab_wide_h200.json): N = 6144
+    32 columns 8.6 / 9.1 / 10.3 us vs 16 columns 9.4 / 10.2 / 11.8, N = 12288 10.0 / 11.1 /
+    13.4 vs 13.0 / 14.8 / 20.0; N = 4096 16 columns 7.2 / 8.2 / 8.7 vs 7.5 / 8.2 / 9.5;
+    N = 2048, K = 6144 16 columns 8.9 vs 11.4 at 1 row.
+    64 (rows 8) where those tiles are at least 2.5 per SM: K = 2048, 1 / 8 rows on 132 SMs
+    (perf/results/w4a16_ab_cols64_h200.json) N = 24576 (2.9 per SM)
+    14.7 / 15.5 us vs 15.1 / 17.2, N = 49152 23.5 / 24.8 vs 25.1 / 28.0, the LM head (N =
+    151936) 55.7 / 58.0 vs 63.0 / 67.8; N = 32768, K = 4096 33.0 / 34.7 vs 36.8 / 42.5; but
+    N = 12288 10.8 vs 10.1 at 1 row, N = 18432 (2.2 per SM) a wash."""
+    if not rows16 and 2 * n >= 5 * 64 * sms:
+        return 64
+    return 32 if n >= 32 * sms else 16
 
 
 @torch.library.custom_op("cutekern::w4a16_linear", mutates_args=())

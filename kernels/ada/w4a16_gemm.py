@@ -2,13 +2,13 @@
 sm_90a to run on the H200): out[b, n] = sum_k x[b, k] W[n, k], W = (code - 8) x scale with
 4-bit codes in cutekern.w4a16's fragment order and one 16-bit scale per (group, column).
 
-Persistent CTAs take tiles of 16 (narrow build) or 32 (wide build) output columns in a static
-stride; `ksplit` warps share a tile, each summing a run of whole groups of K (ksplit = 1:
+Persistent CTAs take tiles of 16 (narrow build), 32 or 64 (wide builds) output columns in a
+static stride; `ksplit` warps share a tile, each summing a run of whole groups of K (ksplit = 1:
 each warp a whole tile and its own stores). Each warp streams its (tile, k64 block) items
 through a private ring of cp.async slots that runs across tiles (per slot: the lane's 16
 bytes of codes per 16-column block, its activation vectors, and at a group's first block
 the tile's scales). A lane reads back exactly what it copied (codes, activations), so only
-the scales, copied by 2 or 4 lanes, need a warp barrier.
+the scales, copied by 2, 4 or 8 lanes, need a warp barrier.
 
 The codes are the A operand of mma.sync m16n8k16 (16 columns x 16 k; a lane's words for
 columns g and g + 8 are its A rows) and the activations the B operand (8 batch rows per
@@ -90,6 +90,9 @@ class W4a16GemmAdaConfig:
     wide_stages: int = 6
     wide_stages16: int = 4
     wide_ctas_per_sm: int = 3
+    # the 64-column build (rows 8; the wide build's warps and CTAs): four code blocks share
+    # a slot's activations, half the tiles (and per-tile K sums) of the 32-column build
+    wide64_stages: int = 4
 
 
 @dataclass(frozen=True)
@@ -102,8 +105,11 @@ class _Shape:
     nb: int               # batch tiles of 8 rows (2 for rows16: rows g and g + 8)
 
 
-def build_shape(config: W4a16GemmAdaConfig, rows16: bool, wide: bool) -> _Shape:
-    if wide:
+def build_shape(config: W4a16GemmAdaConfig, rows16: bool, cols: int) -> _Shape:
+    if cols == 64:
+        return _Shape(config.wide_warps, config.wide64_stages, 4, config.wide_ctas_per_sm,
+                      2 if rows16 else 1)
+    if cols == 32:
         return _Shape(config.wide_warps, config.wide_stages16 if rows16 else config.wide_stages,
                       2, config.wide_ctas_per_sm, 2 if rows16 else 1)
     return _Shape(config.warps, config.stages16 if rows16 else config.stages, 1,
@@ -116,19 +122,23 @@ def smem_bytes(b: _Shape) -> int:
 
 
 class W4a16GemmAda:
-    def __init__(self, dtype, rows16: bool, wide: bool = False,
+    def __init__(self, dtype, rows16: bool, cols: int = 16,
                  config: W4a16GemmAdaConfig = W4a16GemmAdaConfig()):
-        if not W4a16GemmAda.can_implement(dtype, rows16, wide, config):
+        if not W4a16GemmAda.can_implement(dtype, rows16, cols, config):
             raise ValueError(f"W4a16GemmAda cannot implement {dtype}, rows16={rows16}, "
-                             f"wide={wide}, {config}")
+                             f"cols={cols}, {config}")
         self.dtype = dtype
         self.bf16 = dtype is cutlass.BFloat16
         self.rows16 = rows16
-        self.b = build_shape(config, rows16, wide)
+        self.b = build_shape(config, rows16, cols)
 
     @staticmethod
-    def can_implement(dtype, rows16, wide, config: W4a16GemmAdaConfig) -> bool:
-        b = build_shape(config, rows16, wide)
+    def can_implement(dtype, rows16, cols, config: W4a16GemmAdaConfig) -> bool:
+        # no 64-column rows-16 build: 64 fp32 accumulators per lane (a trial build of a
+        # variant of this kernel spilled at 3 CTAs per SM)
+        if cols not in (16, 32, 64) or (cols == 64 and rows16):
+            return False
+        b = build_shape(config, rows16, cols)
         if dtype not in _DTYPES or b.stages < 2 or b.warps < 1:
             return False
         return smem_bytes(b) <= SMEM_LIMIT_BYTES

@@ -62,10 +62,11 @@ def test_batches(dtype, m):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144),
-                                 (16, 128), (48, 384), (32, 1152), (160, 2688)])
+                                 (16, 128), (48, 384), (32, 1152), (160, 2688), (24624, 1024)])
 def test_shapes(dtype, n, k):
-    """Qwen3-1.7B's qkv / o / gate+up / down, and K of 1..21 groups over 8 warps (some warps
-    without a group, uneven runs)."""
+    """Qwen3-1.7B's qkv / o / gate+up / down, K of 1..21 groups over 8 warps (some warps
+    without a group, uneven runs), and an N that takes 64-column tiles at 1 row on the H200
+    (its last tile 3 / 4 full)."""
     for m in (1, 16):
         x, qw, sc = make(n, k, m, dtype, seed=n + k + m)
         p = prepare_w4a16(qw, sc)
@@ -98,12 +99,20 @@ def test_strided_rows():
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.integers(1, 24), st.integers(1, 40), st.integers(1, 24), st.sampled_from(DTYPES),
-       st.sampled_from([64, 128, 192, 256]), st.integers(0, 2 ** 16))
-def test_fuzz(m, n16, kg, dtype, group, seed):
+       st.sampled_from([64, 128, 192, 256]), st.sampled_from([None, 16, 32, 64]),
+       st.integers(0, 2 ** 16))
+def test_fuzz(m, n16, kg, dtype, group, cols, seed):
+    """Shapes, groups and dtypes, with the tile width forced (None: the API's pick)."""
+    import cutekern.w4a16 as w4
     n, k = 16 * n16, group * kg
     x, qw, sc = make(n, k, m, dtype, seed, group)
     p = prepare_w4a16(qw, sc, group)
-    check(run_poisoned(x, p, n), x, qw, sc, group, f"m={m} n={n} k={k} g={group}")
+    w4.COLS_OVERRIDE = cols
+    try:
+        out = run_poisoned(x, p, n)
+    finally:
+        w4.COLS_OVERRIDE = None
+    check(out, x, qw, sc, group, f"m={m} n={n} k={k} g={group} cols={cols}")
 
 
 def test_graph_replay_new_contents():
@@ -154,19 +163,20 @@ def test_per_channel_scales():
 
 
 @pytest.mark.parametrize("ctas", [None, 2])
-@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("cols", [16, 32, 64])
 @pytest.mark.parametrize("ks", [1, 2, 4, 8])
-def test_every_build_and_k_split(monkeypatch, wide, ks, ctas):
-    """Both builds at every K split (each warp a whole tile ... 8 warps per tile), odd block
-    counts (the wide build's last tile half empty), both row builds; on the full grid and on
-    2 CTAs (many tile rounds per CTA: the rings run across tiles)."""
+def test_every_build_and_k_split(monkeypatch, cols, ks, ctas):
+    """Every tile width at every K split (each warp a whole tile ... 8 warps per tile), block
+    counts that leave the last tile 1 / 4 or 3 / 4 full, both row builds (rows 9..16 take 32
+    columns where 64 is asked); on the full grid and on 2 CTAs (many tile rounds per CTA:
+    the rings run across tiles)."""
     import cutekern.w4a16 as w4
-    if wide and ks == 8:
-        pytest.skip("the wide build has 4 warps")
-    monkeypatch.setattr(w4, "WIDE_OVERRIDE", wide)
+    if cols > 16 and ks == 8:
+        pytest.skip("the 32- and 64-column builds have 4 warps")
+    monkeypatch.setattr(w4, "COLS_OVERRIDE", cols)
     monkeypatch.setattr(w4, "KSPLIT_OVERRIDE", ks)
     monkeypatch.setattr(w4, "CTAS_OVERRIDE", ctas)
-    for m, n, k in ((3, 272, 1024), (13, 1040, 2048), (1, 16, 512)):
+    for m, n, k in ((3, 272, 1024), (13, 1040, 2048), (1, 16, 512), (8, 1200, 1024)):
         x, qw, sc = make(n, k, m, torch.bfloat16, seed=m + ks)
         p = prepare_w4a16(qw, sc)
-        check(run_poisoned(x, p, n), x, qw, sc, 128, f"wide={wide} ks={ks} m={m} n={n}")
+        check(run_poisoned(x, p, n), x, qw, sc, 128, f"cols={cols} ks={ks} m={m} n={n}")
