@@ -101,3 +101,27 @@ def test_linear_names_the_bad_argument(mutate, exc, name):
     xx, pp, out = mutate(p, x)
     with pytest.raises(exc, match=f"'{name}'"):
         w4a16_linear(xx, pp, out=out)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 20000), st.sampled_from([1, 2, 4, 8]), st.integers(1, 1200))
+def test_balanced_grid_keeps_the_most_rounds_with_the_fewest_ctas(tiles, per_round, ctas):
+    from cutekern.w4a16 import balanced_grid
+    rounds = -(-tiles // per_round)
+    most = -(-rounds // ctas)                  # what the full grid's busiest CTA runs
+    g = balanced_grid(tiles, per_round, ctas)
+    assert 1 <= g <= min(ctas, rounds)
+    assert -(-rounds // g) == most             # no CTA runs more rounds than before
+    assert g == 1 or -(-rounds // (g - 1)) > most   # and no smaller grid would do
+
+
+def test_tile_width_and_k_split_rules():
+    from cutekern.w4a16 import ksplit, tile_cols
+    # 132 SMs: 16 columns for short N, 32 from 32 x SMs, 64 (rows <= 8) from 2.5 x 64 x SMs
+    assert [tile_cols(n, False, 132) for n in (2048, 4096, 4224, 12288, 21119, 21120, 151936)] \
+        == [16, 16, 32, 32, 32, 64, 64]
+    assert tile_cols(151936, True, 132) == 32
+    # the fewest warps per tile (at least 2) that keep the grid's warps busy
+    assert ksplit(151936, 64, 396 * 4, 4) == 2
+    assert ksplit(32768, 64, 396 * 4, 4) == 4
+    assert ksplit(2048, 16, 264 * 8, 8) == 8
