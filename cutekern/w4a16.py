@@ -190,7 +190,8 @@ def _w4a16_impl(x2, packed, scales, y2, check=False):
         fn = get_function("w4a16_gemm", {"dtype": _DT_NAME[x2.dtype]},
                           {"rows16": rows > 8, "cols": cols}, x2.device, design="ada")
         cfg = fn.meta["config"]
-        ctas = CTAS_OVERRIDE or sms * cfg["wide_ctas_per_sm" if cols > TILE else "ctas_per_sm"]
+        ctas = CTAS_OVERRIDE or sms * resident_ctas(cfg, rows > 8, cols,
+                                                    smem_per_sm(x2.device))
         warps = cfg["wide_warps" if cols > TILE else "warps"]
         ks = KSPLIT_OVERRIDE or ksplit(n, cols, ctas * warps, warps)
         if BALANCE:
@@ -205,6 +206,49 @@ COLS_OVERRIDE = None
 KSPLIT_OVERRIDE = None
 CTAS_OVERRIDE = None     # tests: a small persistent grid (many tile rounds per CTA)
 BALANCE = True           # tuning: False launches the full grid (balanced_grid)
+
+
+def cta_smem(cfg: dict, rows16: bool, cols: int) -> int:
+    """Shared memory of one CTA of a build (the kernel's ``smem_bytes``, restated here so the
+    launch path needs no DSL; tests/test_w4a16.py keeps the two equal)."""
+    nt, nb = cols // TILE, 2 if rows16 else 1
+    if cols == TILE:
+        warps, stages = cfg["warps"], cfg["stages16" if rows16 else "stages"]
+    elif cols == 2 * TILE:
+        warps, stages = cfg["wide_warps"], cfg["wide_stages16" if rows16 else "wide_stages"]
+    else:
+        warps, stages = cfg["wide_warps"], cfg["wide64_stages"]
+    slot = nt * 512 + nb * 2 * 32 * 16 + nt * 32          # codes, activations, scales
+    return warps * (stages * slot + 2 * nt * nb * 32 * 4 * 4)
+
+
+def resident_ctas(cfg: dict, rows16: bool, cols: int, smem_sm: int) -> int:
+    """CTAs per SM of the persistent grid: the config's count (sized for the H200's 228 KB
+    of shared memory per SM) or as many as fit the device's (100 KB on sm_86 / sm_89: the
+    grid stays one resident wave, so no CTA waits for another's whole run)."""
+    want = cfg["ctas_per_sm" if cols == TILE else "wide_ctas_per_sm"]
+    fit = smem_sm // (cta_smem(cfg, rows16, cols) + 1024)      # 1 KB per CTA for the driver
+    return max(1, min(want, fit))
+
+
+_SMEM_PER_SM = {}
+
+
+def smem_per_sm(device) -> int:
+    """Shared memory per SM of a CUDA device (bytes; cached per device)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMEM_PER_SM:
+        props = torch.cuda.get_device_properties(idx)
+        val = getattr(props, "shared_memory_per_multiprocessor", None)
+        if not val:
+            import cuda.bindings.driver as drv
+            err, val = drv.cuDeviceGetAttribute(
+                drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+                idx)
+            if err != drv.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"w4a16: shared memory per SM of device {idx}: {err}")
+        _SMEM_PER_SM[idx] = int(val)
+    return _SMEM_PER_SM[idx]
 
 
 def balanced_grid(tiles: int, per_round: int, ctas: int) -> int:

@@ -125,3 +125,27 @@ def test_tile_width_and_k_split_rules():
     assert ksplit(151936, 64, 396 * 4, 4) == 2
     assert ksplit(32768, 64, 396 * 4, 4) == 4
     assert ksplit(2048, 16, 264 * 8, 8) == 8
+
+
+@pytest.mark.parametrize("rows16", [False, True])
+@pytest.mark.parametrize("cols", [16, 32, 64])
+def test_launch_path_knows_each_builds_shared_memory(rows16, cols):
+    """The launch path's CTA count reads shared memory per CTA off the exported config
+    without the DSL: its formula must be the kernel's, for every build and for configs
+    other than the default."""
+    pytest.importorskip("cutlass")
+    import dataclasses
+    from kernels.ada.w4a16_gemm import W4a16GemmAdaConfig, build_shape, smem_bytes
+    from cutekern.w4a16 import cta_smem, resident_ctas
+    if rows16 and cols == 64:
+        pytest.skip("no 64-column rows-16 build")
+    for cfg in (W4a16GemmAdaConfig(), W4a16GemmAdaConfig(stages=3, stages16=2, wide_stages=5,
+                                                          wide_stages16=3, wide64_stages=3)):
+        d = dataclasses.asdict(cfg)
+        assert cta_smem(d, rows16, cols) == smem_bytes(build_shape(cfg, rows16, cols))
+    d = dataclasses.asdict(W4a16GemmAdaConfig())
+    # the H200 (228 KB per SM) holds the configured count; sm_89 (100 KB) one wide CTA
+    assert resident_ctas(d, rows16, cols, 233472) == d["ctas_per_sm" if cols == 16
+                                                      else "wide_ctas_per_sm"]
+    assert resident_ctas(d, rows16, cols, 102400) == (1 if cta_smem(d, rows16, cols) > 50 * 1024
+                                                      else 2)
