@@ -281,11 +281,11 @@ def tile_cols(n: int, rows16: bool, sms: int) -> int:
     32 columns 8.6 / 9.1 / 10.3 us vs 16 columns 9.4 / 10.2 / 11.8, N = 12288 10.0 / 11.1 /
     13.4 vs 13.0 / 14.8 / 20.0; N = 4096 16 columns 7.2 / 8.2 / 8.7 vs 7.5 / 8.2 / 9.5;
     N = 2048, K = 6144 16 columns 8.9 vs 11.4 at 1 row.
-    64 (rows 8) where those tiles are at least 2.5 per SM: K = 2048, 1 / 8 rows on 132 SMs
-    (perf/results/w4a16_ab_cols64_h200.json) N = 24576 (2.9 per SM)
-    14.7 / 15.5 us vs 15.1 / 17.2, N = 49152 23.5 / 24.8 vs 25.1 / 28.0, the LM head (N =
-    151936) 55.7 / 58.0 vs 63.0 / 67.8; N = 32768, K = 4096 33.0 / 34.7 vs 36.8 / 42.5; but
-    N = 12288 10.8 vs 10.1 at 1 row, N = 18432 (2.2 per SM) a wash."""
+    64 (rows 8) where those tiles are at least 2.5 per SM. 64 vs 32 columns, K = 2048, 1 / 8
+    rows on 132 SMs (perf/results/w4a16_ab_cols64_h200.json): N = 24576 (2.9 per SM) 14.7 /
+    15.5 us vs 15.1 / 17.2, N = 49152 23.5 / 24.8 vs 25.1 / 28.0, the LM head (N = 151936)
+    55.7 / 58.0 vs 63.0 / 67.8; N = 32768, K = 4096 33.0 / 34.7 vs 36.8 / 42.5; but N = 12288
+    10.8 vs 10.1 at 1 row, N = 18432 (2.2 per SM) a wash."""
     if not rows16 and 2 * n >= 5 * 64 * sms:
         return 64
     return 32 if n >= 32 * sms else 16
