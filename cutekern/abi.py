@@ -336,3 +336,36 @@ def w4a16_gemm_abi(dtype: str) -> tuple:
         ScalarArg("ksplit", "int32"),
         StreamArg(),
     )
+
+
+def w4a16_mlp_abi(dtype: str) -> tuple:
+    """ABI of the W4A16 SwiGLU MLP block in one launch (decode; K = hidden, F = intermediate,
+    D = output width; scale groups any multiple of 64):
+
+      x          (B, K)                dtype  activations, B <= 8 (<= 16: the rows16 build)
+      packed_gu  (2F/16, K/64, 32, 4)  int32  gate and up codes, 16-column blocks alternating
+                                              (2i: gate columns 16i.., 2i + 1: up columns 16i..)
+      scales_gu  (K/group, 2F)         dtype  their scales in the same column order
+      packed_d   (D/16, F/64, 32, 4)   int32  down codes
+      scales_d   (F/group_d, D)        dtype
+      h          (B, F)                dtype  silu(gate) * up (written, then read by the launch)
+      out        (B, D)                dtype  h Wd^T
+      sync       (1 + ctas,)           int32  generation word + one flag per CTA (zeros once;
+                                              never reset; one launch at a time per buffer)
+      ctas                             int32  the grid: every CTA co-resident
+      ks_gu, ks_d                      int32  warps splitting a tile's K in each phase
+    """
+    return (
+        TensorArg("x", dtype, 2, align=8),
+        TensorArg("packed_gu", "int32", 4, align=4),
+        TensorArg("scales_gu", dtype, 2, align=8),
+        TensorArg("packed_d", "int32", 4, align=4),
+        TensorArg("scales_d", dtype, 2, align=8),
+        TensorArg("h", dtype, 2, align=8),
+        TensorArg("out", dtype, 2, align=1),
+        TensorArg("sync", "int32", 1, align=1),
+        ScalarArg("ctas", "int32"),
+        ScalarArg("ks_gu", "int32"),
+        ScalarArg("ks_d", "int32"),
+        StreamArg(),
+    )

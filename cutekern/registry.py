@@ -250,6 +250,18 @@ OPS: dict = {
         make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["rows16"], fl["cols"], cfg),
         doc="W4A16 skinny GEMM of decode: out = x W^T, W as 4-bit codes x group scales",
     ),
+    "w4a16_mlp": OpSpec(
+        name="w4a16_mlp",
+        abi=_abi.w4a16_mlp_abi,
+        # the megakernel's first cross-CTA dependency: gate / up then down in one launch
+        designs={"ada": DesignImpl("kernels.ada.w4a16_mlp", "W4a16MlpAda",
+                                   "W4a16MlpAdaConfig")},
+        extra_arches=(("ada", ("sm_100a", "sm_103a")),),
+        variants=tuple(((("dtype", dt),), (("rows16", r),))
+                       for dt in ("float16", "bfloat16") for r in (False, True)),
+        make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["rows16"], cfg),
+        doc="W4A16 SwiGLU MLP of decode in one launch: out = (silu(x Wg^T) * x Wu^T) Wd^T",
+    ),
 }
 
 

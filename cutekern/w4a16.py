@@ -303,3 +303,172 @@ def _w4a16_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> to
 @_w4a16_op.register_fake
 def _(x, packed, scales):
     return x.new_empty(x.shape[0], scales.shape[1])
+
+
+# ---------------------------------------------------------------------------- the MLP block
+@dataclass(frozen=True)
+class W4A16MLP:
+    """A prepared SwiGLU MLP block (``prepare_w4a16_mlp``): gate and up as one weight whose
+    16-column blocks alternate (block 2i = gate columns 16i.., 2i + 1 = up columns 16i..), so
+    one tile of the kernel's first phase holds both halves of its 16 outputs; the down weight
+    as prepared; ``sync``, the launch's generation word and per-CTA flags (zeros once, never
+    reset). One launch at a time per prepared block: two streams running the same block
+    concurrently would share its flags."""
+    packed_gu: torch.Tensor
+    scales_gu: torch.Tensor
+    down: W4A16Weight
+    sync: torch.Tensor
+    k: int          # hidden (x's width)
+    f: int          # intermediate (h's width)
+    d: int          # output width
+
+
+def prepare_w4a16_mlp(gate: W4A16Weight, up: W4A16Weight, down: W4A16Weight) -> W4A16MLP:
+    """Three prepared weights (gate, up: [F, K]; down: [D, F]) -> the one-launch MLP block's
+    operands. Once per layer, on the weights' device."""
+    for name, w in (("gate", gate), ("up", up), ("down", down)):
+        if not isinstance(w, W4A16Weight):
+            raise TypeError(f"prepare_w4a16_mlp: argument '{name}' must be a W4A16Weight "
+                            f"(prepare_w4a16), got {type(w).__name__}")
+        if w.scales.dtype != gate.scales.dtype or w.packed.device != gate.packed.device:
+            raise ValueError(f"prepare_w4a16_mlp: argument '{name}' must have gate's scale "
+                             f"dtype {gate.scales.dtype} and device {gate.packed.device}")
+    if (up.k, up.n, up.group) != (gate.k, gate.n, gate.group):
+        raise ValueError(f"prepare_w4a16_mlp: argument 'up' must match gate's [F, K] = "
+                         f"[{gate.n}, {gate.k}] and group {gate.group}, got [{up.n}, {up.k}] "
+                         f"group {up.group}")
+    if down.k != gate.n:
+        raise ValueError(f"prepare_w4a16_mlp: argument 'down' must take K = F = {gate.n} "
+                         f"(gate's outputs), got K = {down.k}")
+    f, k = gate.n, gate.k
+    nb = f // TILE
+    packed = torch.stack([gate.packed, up.packed], 1).reshape(2 * nb, *gate.packed.shape[1:])
+    g = gate.scales.shape[0]
+    scales = torch.stack([gate.scales.reshape(g, nb, TILE), up.scales.reshape(g, nb, TILE)],
+                         2).reshape(g, 2 * f)
+    dev = gate.packed.device
+    # one word per CTA the device can hold of any build (16 per SM is beyond every config)
+    words = 1 + (sm_count(dev) * 16 if dev.type == "cuda" else 1)
+    sync = torch.zeros(words, dtype=torch.int32, device=dev)
+    return W4A16MLP(packed.contiguous(), scales.contiguous(), down, sync, k, f, down.n)
+
+
+def w4a16_mlp(x: torch.Tensor, mlp: W4A16MLP, out: torch.Tensor | None = None,
+              h: torch.Tensor | None = None):
+    """out = (silu(x Wg^T) * (x Wu^T)) Wd^T in one launch per 16 rows (the Ada design:
+    kernels/ada/w4a16_mlp.py): x [..., K] in the weights' scale dtype, fp32 accumulation,
+    the product h rounded once to that dtype (``h`` [..., F], optional: where h goes; else a
+    new tensor). Every CTA of the launch waits for every other's h, so the grid is at most
+    what the device holds at once; the down weights' first tiles are fetched into L2 while
+    they wait."""
+    if not isinstance(mlp, W4A16MLP):
+        raise TypeError(f"w4a16_mlp: argument 'mlp' must be a W4A16MLP (prepare_w4a16_mlp), "
+                        f"got {type(mlp).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"w4a16_mlp: argument 'x' must be a torch.Tensor, got "
+                        f"{type(x).__name__}")
+    if x.dtype != mlp.scales_gu.dtype:
+        raise TypeError(f"w4a16_mlp: argument 'x' must have the weights' dtype "
+                        f"{mlp.scales_gu.dtype}, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != mlp.k:
+        raise ValueError(f"w4a16_mlp: argument 'x' must be [..., K = {mlp.k}], got shape "
+                         f"{tuple(x.shape)}")
+    for name, t, width in (("out", out, mlp.d), ("h", h, mlp.f)):
+        if t is None:
+            continue
+        want = (*x.shape[:-1], width)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+            raise ValueError(f"w4a16_mlp: argument '{name}' must be a tensor of shape {want}")
+        if t.dtype != x.dtype or t.device != x.device:
+            raise TypeError(f"w4a16_mlp: argument '{name}' must be {x.dtype} on {x.device}, "
+                            f"got {t.dtype} on {t.device}")
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"w4a16_mlp: argument '{name}' must be contiguous and 16-byte "
+                             f"aligned")
+    if x.device != mlp.packed_gu.device or not x.is_cuda:
+        raise ValueError(f"w4a16_mlp: argument 'x' must be on the weights' CUDA device "
+                         f"{mlp.packed_gu.device}, got {x.device}")
+    if out is None and h is None and torch.compiler.is_compiling():
+        y = _w4a16_mlp_op(x.reshape(-1, mlp.k), mlp.packed_gu, mlp.scales_gu, mlp.down.packed,
+                          mlp.down.scales, mlp.sync)
+        return y.view(*x.shape[:-1], mlp.d)
+    x2 = _aligned_rows(x.reshape(-1, mlp.k))
+    y = out if out is not None else torch.empty(*x.shape[:-1], mlp.d, dtype=x.dtype,
+                                                device=x.device)
+    hh = h if h is not None else torch.empty(*x.shape[:-1], mlp.f, dtype=x.dtype,
+                                             device=x.device)
+    _w4a16_mlp_impl(x2, mlp, hh.view(-1, mlp.f), y.view(-1, mlp.d))
+    return y
+
+
+def mlp_cta_smem(cfg: dict, rows16: bool) -> int:
+    """Shared memory of one CTA of the MLP kernel (its first phase's buffers: the kernel's
+    ``smem_bytes`` of that shape, restated so the launch path needs no DSL)."""
+    nb = 2 if rows16 else 1
+    stages = cfg["stages16" if rows16 else "stages"]
+    slot = 2 * 512 + nb * 2 * 32 * 16 + 2 * 32
+    return cfg["warps"] * (stages * slot + 2 * 2 * nb * 32 * 4 * 4)
+
+
+def mlp_launch(mlp_f: int, mlp_d: int, cfg: dict, rows16: bool, sms: int, smem_sm: int):
+    """(grid, ks_gu, ks_d) of an MLP launch: K splits as the GEMM picks them on the largest
+    co-resident grid, then the fewest CTAs that keep both phases' busiest CTA's rounds."""
+    per_sm = max(1, min(cfg["ctas_per_sm"], smem_sm // (mlp_cta_smem(cfg, rows16) + 1024)))
+    cap = sms * per_sm
+    w = cfg["warps"]
+    ks_gu = ksplit(2 * mlp_f, 2 * TILE, cap * w, w)
+    ks_d = ksplit(mlp_d, TILE, cap * w, w)
+    grid = max(balanced_grid(-(-mlp_f // TILE), w // ks_gu, cap),
+               balanced_grid(-(-mlp_d // TILE), w // ks_d, cap))
+    return grid, ks_gu, ks_d
+
+
+def _w4a16_mlp_impl(x2, mlp, h2, y2, check=False):
+    """The launches (one per 16 rows); ``mlp``: a W4A16MLP or any object with its fields."""
+    from .dispatch import get_function
+    m = x2.shape[0]
+    stream = _raw_stream(x2.device)
+    sms = sm_count(x2.device)
+    for r0 in range(0, m, ROWS_PER_LAUNCH):
+        rows = min(ROWS_PER_LAUNCH, m - r0)
+        fn = get_function("w4a16_mlp", {"dtype": _DT_NAME[x2.dtype]}, {"rows16": rows > 8},
+                          x2.device, design="ada")
+        grid, ks_gu, ks_d = mlp_launch(mlp.f, mlp.d, fn.meta["config"], rows > 8, sms,
+                                       smem_per_sm(x2.device))
+        grid = MLP_CTAS_OVERRIDE or grid
+        if grid + 1 > mlp.sync.numel():
+            raise RuntimeError(f"w4a16_mlp: a grid of {grid} CTAs needs {grid + 1} sync words, "
+                               f"the block holds {mlp.sync.numel()}")
+        fn(x2[r0:r0 + rows], mlp.packed_gu, mlp.scales_gu, mlp.down.packed, mlp.down.scales,
+           h2[r0:r0 + rows], y2[r0:r0 + rows], mlp.sync, grid, ks_gu, ks_d, stream=stream,
+           check=check)
+
+
+MLP_CTAS_OVERRIDE = None   # tests: a smaller grid (several tiles per CTA in both phases)
+
+
+class _MlpOperands:
+    """The fields _w4a16_mlp_impl reads, from the custom op's tensors."""
+    def __init__(self, packed_gu, scales_gu, packed_d, scales_d, sync):
+        self.packed_gu, self.scales_gu, self.sync = packed_gu, scales_gu, sync
+        self.down = W4A16Weight(packed_d, scales_d, packed_d.shape[1] * KBLOCK,
+                                scales_d.shape[1], packed_d.shape[1] * KBLOCK // scales_d.shape[0])
+        self.f, self.d = scales_gu.shape[1] // 2, scales_d.shape[1]
+
+
+@torch.library.custom_op("cutekern::w4a16_mlp", mutates_args=("sync",))
+def _w4a16_mlp_op(x: torch.Tensor, packed_gu: torch.Tensor, scales_gu: torch.Tensor,
+                  packed_d: torch.Tensor, scales_d: torch.Tensor,
+                  sync: torch.Tensor) -> torch.Tensor:
+    # reachable as torch.ops.cutekern.w4a16_mlp without w4a16_mlp's checks: the launch checks
+    # its arguments; sync is the block's generation word and flags
+    ops = _MlpOperands(packed_gu, scales_gu, packed_d, scales_d, sync)
+    y = torch.empty(x.shape[0], ops.d, dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape[0], ops.f, dtype=x.dtype, device=x.device)
+    _w4a16_mlp_impl(_aligned_rows(x), ops, h, y, check=True)
+    return y
+
+
+@_w4a16_mlp_op.register_fake
+def _(x, packed_gu, scales_gu, packed_d, scales_d, sync):
+    return x.new_empty(x.shape[0], scales_d.shape[1])

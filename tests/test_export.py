@@ -57,6 +57,11 @@ OP_FINGERPRINTS = {
     # its own A fragment), no atomics, no local memory
     ("w4a16_gemm", "ada"): ({"LDGSTS", "LDGDEPBAR", "HMMA", "HFMA2"},
                             ATOMICS | {"HGMMA", "UTCHMMA", "UTMALDG", "LDL", "STL"}),
+    # the one-launch MLP block: the GEMM's device code twice, its CTAs meeting through
+    # release / acquire flags (strong gpu-scope stores and loads, a gpu membar, L1
+    # invalidation on acquire), still no atomics
+    ("w4a16_mlp", "ada"): ({"LDGSTS", "LDGDEPBAR", "HMMA", "HFMA2", "MEMBAR", "CCTL"},
+                           ATOMICS | {"HGMMA", "UTCHMMA", "UTMALDG", "LDL", "STL"}),
 }
 
 

@@ -506,7 +506,10 @@ def test_chain_split_composes_to_the_whole_chain(dv, with_h0, scan):
         ht_default = torch.full_like(ht, float("nan"))   # host tensors: the scan by default
         _split_chain(chain, packed, cu_rows_p, cu_chunks_p, first, last, s0, o.clone(), ht_default)
         assert torch.equal(ht_default, ht)
-        assert ((ht - ht_seq).norm() / ht_seq.norm()).item() < 1e-5
+        # fp32 products of the pieces' affine maps (M far from 0 here) in two orders: 1e-5
+        # held on earlier boxes, 4.5e-5 on a 2-core AMD EPYC (AVX2) box whose BLAS blocks
+        # the products differently (2026-12-07); a wrong composition is off by O(1)
+        assert ((ht - ht_seq).norm() / ht_seq.norm()).item() < 2e-4
     assert torch.equal(o[0, :128], o_ref[0, :128]) and torch.equal(o[0, 700:828], o_ref[0, 700:828])
     assert torch.equal(ht[1], s0[1] if with_h0 else torch.zeros_like(ht[1]))   # 0-token sequence
     rel = lambda x, ref: ((x.double() - ref.double()).norm() / ref.double().norm()).item()

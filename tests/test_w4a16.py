@@ -149,3 +149,81 @@ def test_launch_path_knows_each_builds_shared_memory(rows16, cols):
                                                       else "wide_ctas_per_sm"]
     assert resident_ctas(d, rows16, cols, 102400) == (1 if cta_smem(d, rows16, cols) > 50 * 1024
                                                       else 2)
+
+
+# ---------------------------------------------------------------------------- the MLP block
+def _mlp_weights(k=256, f=128, d=64, dtype=torch.float16, group=128):
+    return [prepare_w4a16(*_weight(n, kk, dtype, seed), group)
+            for seed, (kk, n) in enumerate(((k, f), (k, f), (f, d)))]
+
+
+def test_mlp_gate_and_up_blocks_alternate():
+    """Tile t of the first phase holds gate columns 16t.. (block 2t) and up columns 16t..
+    (block 2t + 1), codes and scales alike: the dequantized interleave equals the two
+    weights' columns in that order."""
+    from cutekern.reference import w4a16_fragments_dense
+    from cutekern.w4a16 import prepare_w4a16_mlp
+    gate, up, down = _mlp_weights()
+    mlp = prepare_w4a16_mlp(gate, up, down)
+    assert (mlp.k, mlp.f, mlp.d) == (256, 128, 64)
+    assert torch.equal(mlp.packed_gu[0::2], gate.packed)
+    assert torch.equal(mlp.packed_gu[1::2], up.packed)
+    dense = w4a16_fragments_dense(mlp.packed_gu, mlp.scales_gu)          # [2F, K]
+    want = torch.stack([w4a16_fragments_dense(gate.packed, gate.scales).reshape(8, 16, 256),
+                        w4a16_fragments_dense(up.packed, up.scales).reshape(8, 16, 256)],
+                       1).reshape(256, 256)
+    assert torch.equal(dense, want)
+    assert mlp.sync.dtype == torch.int32 and int(mlp.sync.abs().sum()) == 0
+
+
+def test_mlp_prepare_names_the_bad_argument():
+    from cutekern.w4a16 import prepare_w4a16_mlp
+    gate, up, down = _mlp_weights()
+    other = _mlp_weights(k=512)[0]
+    cases = [((gate.packed, up, down), TypeError, "gate"),
+             ((gate, other, down), ValueError, "up"),
+             ((gate, up, gate), ValueError, "down"),
+             ((gate, up, _mlp_weights(dtype=torch.bfloat16)[2]), ValueError, "down")]
+    for args, exc, name in cases:
+        with pytest.raises(exc, match=f"'{name}'"):
+            prepare_w4a16_mlp(*args)
+
+
+def test_mlp_names_the_bad_argument():
+    from cutekern.w4a16 import prepare_w4a16_mlp, w4a16_mlp
+    mlp = prepare_w4a16_mlp(*_mlp_weights())
+    x = torch.randn(3, 256).half()
+    cases = [((x.float(), mlp), {}, TypeError, "x"),
+             ((x[:, :128], mlp), {}, ValueError, "x"),
+             ((x, mlp.down), {}, TypeError, "mlp"),
+             ((x, mlp), {}, ValueError, "x"),                         # CPU: must be CUDA
+             ((x, mlp), {"out": torch.empty(3, 63).half()}, ValueError, "out"),
+             ((x, mlp), {"h": torch.empty(3, 128)}, TypeError, "h")]
+    for args, kw, exc, name in cases:
+        with pytest.raises(exc, match=f"'{name}'"):
+            w4a16_mlp(*args, **kw)
+
+
+@pytest.mark.parametrize("rows16", [False, True])
+def test_mlp_launch_is_one_resident_wave(rows16):
+    """Every CTA of an MLP launch waits for all the others, so the grid the launch path picks
+    must fit at once: the launch path's shared memory per CTA is the kernel's, and the grid is
+    at most SMs x (configured CTAs per SM, or what the device's shared memory holds)."""
+    pytest.importorskip("cutlass")
+    import dataclasses
+    from kernels.ada.w4a16_gemm import smem_bytes
+    from kernels.ada.w4a16_mlp import W4a16MlpAdaConfig, phase_shapes
+    from cutekern.w4a16 import mlp_cta_smem, mlp_launch
+    for cfg in (W4a16MlpAdaConfig(), W4a16MlpAdaConfig(warps=4, stages=6, stages16=4, ctas_per_sm=3)):
+        d = dataclasses.asdict(cfg)
+        assert mlp_cta_smem(d, rows16) == smem_bytes(phase_shapes(cfg, rows16)[0])
+        for sms, smem in ((132, 233472), (128, 102400), (46, 102400)):
+            per_sm = min(d["ctas_per_sm"], smem // (mlp_cta_smem(d, rows16) + 1024))
+            for f, dd in ((6144, 2048), (64, 16), (1088, 272)):
+                grid, ks_gu, ks_d = mlp_launch(f, dd, d, rows16, sms, smem)
+                assert 1 <= grid <= sms * per_sm
+                assert ks_gu in (2, 4, 8) and ks_d in (2, 4, 8) and ks_gu <= d["warps"]
+    # Qwen3-1.7B on the H200: 384 gate / up tiles of 8 warps each on 2 x 132 CTAs (two
+    # rounds each on 192 CTAs), then 128 down tiles of 8 warps each
+    assert mlp_launch(6144, 2048, dataclasses.asdict(W4a16MlpAdaConfig()), False, 132,
+                      233472) == (192, 8, 8)

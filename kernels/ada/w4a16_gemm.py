@@ -78,6 +78,15 @@ def and_or(a, b, c, *, loc=None, ip=None):
     return Int32(res)
 
 
+_LOG2E = 1.4426950408889634
+
+
+@cute.jit
+def _silu_mul(gv: cutlass.Float32, uv: cutlass.Float32) -> cutlass.Float32:
+    """silu(gate) * up in fp32 (exp2 with the fast path: relative error ~1e-7)."""
+    return gv * uv / (cutlass.Float32(1.0) + cute.math.exp2(-gv * _LOG2E, fastmath=True))
+
+
 @dataclass(frozen=True)
 class W4a16GemmAdaConfig:
     # narrow build: 16-column tiles, K split over 8 warps (short N: enough warps per tile)
@@ -161,9 +170,33 @@ class W4a16GemmAda:
     @cute.kernel
     def kernel(self, x: cute.Tensor, packed: cute.Tensor, scales: cute.Tensor,
                out: cute.Tensor, ksplit: Int32):
-        W, R = self.b.warps, self.b.stages
-        NT = self.b.nt                            # code blocks (16 columns each) per tile
-        NB = self.b.nb                            # batch tiles of 8 rows (B operands)
+        sW, sX, sS, red = self._smem(self.b)
+        self._gemm(self.b, x, packed, scales, out, ksplit, sW, sX, sS, red, False)
+
+    def _smem(self, b: _Shape):
+        """The CTA's buffers for build shape b (traced inline): per (warp, slot) codes [tile
+        block][lane] (conflict-free 16-byte reads), activations [row half][k32 half][lane]
+        (the same), the tile's scales; the warps' partials of two tiles (one barrier per
+        tile)."""
+        W, R, NT, NB = b.warps, b.stages, b.nt, b.nb
+        smem = cutlass.utils.SmemAllocator()
+        sW = smem.allocate_tensor(Int32, cute.make_layout(W * R * NT * 32 * 4), 16)
+        sX = smem.allocate_tensor(self.dtype, cute.make_layout(W * R * NB * 2 * 32 * _VEC), 16)
+        sS = smem.allocate_tensor(self.dtype, cute.make_layout(W * R * NT * 16), 16)
+        red = smem.allocate_tensor(cutlass.Float32, cute.make_layout(2 * W * NT * NB * 32 * 4),
+                                   16)
+        return sW, sX, sS, red
+
+    @cute.jit
+    def _gemm(self, b: cutlass.Constexpr, x: cute.Tensor, packed: cute.Tensor,
+              scales: cute.Tensor, out: cute.Tensor, ksplit: Int32, sW: cute.Tensor,
+              sX: cute.Tensor, sS: cute.Tensor, red: cute.Tensor, act: cutlass.Constexpr):
+        """out = x W^T over the CTA's rounds of tiles of build shape b (buffers of _smem).
+        act (the MLP's gate / up phase): W holds gate and up as alternating 16-column blocks,
+        b.nt == 2, and out[:, 16 t + c] = silu(gate) * up of tile t's columns c < 16."""
+        W, R = b.warps, b.stages
+        NT = b.nt                                 # code blocks (16 columns each) per tile
+        NB = b.nb                                 # batch tiles of 8 rows (B operands)
         NA = NT * NB                              # accumulator sets: (code block, batch tile)
         dt = self.dtype
         tidx, _, _ = cute.arch.thread_idx()
@@ -191,15 +224,6 @@ class W4a16GemmAda:
         rounds = (tiles + WN - 1) // WN
         my_rounds = (rounds - bid + grid - 1) // grid   # rounds bid, bid + grid, ...
         total = my_rounds * nblk
-
-        smem = cutlass.utils.SmemAllocator()
-        # per (warp, slot): codes [tile block][lane] (conflict-free 16-byte reads),
-        # activations [row half][k32 half][lane] (the same), the tile's scales; the warps'
-        # partials of two tiles (one barrier per tile)
-        sW = smem.allocate_tensor(Int32, cute.make_layout(W * R * NT * 32 * 4), 16)
-        sX = smem.allocate_tensor(dt, cute.make_layout(W * R * NB * 2 * 32 * _VEC), 16)
-        sS = smem.allocate_tensor(dt, cute.make_layout(W * R * NT * 16), 16)
-        red = smem.allocate_tensor(cutlass.Float32, cute.make_layout(2 * W * NT * NB * 32 * 4), 16)
 
         cp_w = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    Int32, num_bits_per_copy=128)
@@ -237,12 +261,12 @@ class W4a16GemmAda:
               g_lo * scales.stride[0] + tile0 * (16 * NT))
         for _ in cutlass.range_constexpr(R - 1):
             if nx < total:
-                self._issue(x, packed, scales, sW, sX, sS, cp_w, cp_x, warp, lane, bt, st, isl,
-                            ig == 0)
+                self._issue(b, x, packed, scales, sW, sX, sS, cp_w, cp_x, warp, lane, bt, st,
+                            isl, ig == 0)
             cute.arch.cp_async_commit_group()
             nx, it_t, it_b, ig, isl, st = self._advance(
-                nx, it_t, it_b, ig, isl, st, nblk, BPG, packed, scales, bid, grid, WN, wn, b_lo,
-                g_lo)
+                b, nx, it_t, it_b, ig, isl, st, nblk, BPG, packed, scales, bid, grid, WN, wn,
+                b_lo, g_lo)
         csl = Int32(0)
         for tl in cutlass.range(my_rounds, unroll=1):
             for u in cutlass.range_constexpr(NA):
@@ -253,11 +277,11 @@ class W4a16GemmAda:
                 # scales come from other lanes)
                 cute.arch.sync_warp()
                 if nx < total:
-                    self._issue(x, packed, scales, sW, sX, sS, cp_w, cp_x, warp, lane, bt, st,
+                    self._issue(b, x, packed, scales, sW, sX, sS, cp_w, cp_x, warp, lane, bt, st,
                                 isl, ig == 0)
                 cute.arch.cp_async_commit_group()
                 nx, it_t, it_b, ig, isl, st = self._advance(
-                    nx, it_t, it_b, ig, isl, st, nblk, BPG, packed, scales, bid, grid, WN, wn,
+                    b, nx, it_t, it_b, ig, isl, st, nblk, BPG, packed, scales, bid, grid, WN, wn,
                     b_lo, g_lo)
                 cute.arch.cp_async_wait_group(R - 1)
                 cute.arch.sync_warp()
@@ -304,14 +328,24 @@ class W4a16GemmAda:
             # 16u + g + 8 (c2, c3), b = 8r + 2q (c0, c2) and 8r + 2q + 1 (c1, c3)
             if KS == 1:
                 # the warp's own tile, whole K: straight from the accumulators
-                col0 = ((bid + tl * grid) * WN + wn) * (16 * NT)
-                for u in cutlass.range_constexpr(NT):
+                if cutlass.const_expr(act):
+                    # code block 0 is the gate, 1 the up of the same 16 columns
+                    col0 = ((bid + tl * grid) * WN + wn) * 16
                     for r in cutlass.range_constexpr(NB):
                         for e in cutlass.range_constexpr(4):
                             row = 8 * r + 2 * q + (e & 1)
-                            col = col0 + 16 * u + g + 8 * (e >> 1)
+                            col = col0 + g + 8 * (e >> 1)
                             if (row < bt) & (col < out.shape[1]):
-                                out[row, col] = acc[u * NB + r][e].to(dt)
+                                out[row, col] = _silu_mul(acc[r][e], acc[NB + r][e]).to(dt)
+                else:
+                    col0 = ((bid + tl * grid) * WN + wn) * (16 * NT)
+                    for u in cutlass.range_constexpr(NT):
+                        for r in cutlass.range_constexpr(NB):
+                            for e in cutlass.range_constexpr(4):
+                                row = 8 * r + 2 * q + (e & 1)
+                                col = col0 + 16 * u + g + 8 * (e >> 1)
+                                if (row < bt) & (col < out.shape[1]):
+                                    out[row, col] = acc[u * NB + r][e].to(dt)
             else:
                 # the ksplit warps' partials of each tile, summed in warp order
                 rbase = (tl & 1) * (W * NT * NB * 32 * 4)
@@ -320,22 +354,60 @@ class W4a16GemmAda:
                         ri = rbase + ((warp * NT * NB + u) * 32 + lane) * 4 + e
                         red[ri] = acc[u][e]
                 cute.arch.sync_threads()
-                per_tile = 16 * NT * 8 * NB
-                for idx in cutlass.range(tidx, WN * per_tile, 32 * W, unroll=1):
-                    t = idx // per_tile
-                    rc = idx - t * per_tile
-                    row = rc // (16 * NT)
-                    col = rc - row * (16 * NT)
-                    ocol = ((bid + tl * grid) * WN + t) * (16 * NT) + col
-                    if (row < bt) & (ocol < out.shape[1]):
-                        c16 = col & 15
-                        src = ((((col >> 4) * NB + (row >> 3)) * 32 + 4 * (c16 & 7)
-                                + ((row & 7) >> 1)) * 4 + 2 * (c16 >> 3) + (row & 1))
-                        tot = cutlass.Float32(0.0)
-                        for kk in cutlass.range(KS, unroll=1):
-                            tot = tot + red[rbase + (t * KS + kk) * NT * NB * 32 * 4 + src]
-                        out[row, ocol] = tot.to(dt)
+                if cutlass.const_expr(act):
+                    self._act_sums(red, rbase, out, tidx, bid, tl, grid, WN, KS, bt, b)
+                else:
+                    self._sums(red, rbase, out, tidx, bid, tl, grid, WN, KS, bt, b)
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _sums(self, red: cute.Tensor, rbase: Int32, out: cute.Tensor, tidx: Int32, bid: Int32,
+              tl: Int32, grid: Int32, WN: Int32, KS: Int32, bt: Int32, b: cutlass.Constexpr):
+        """out of the round's WN tiles: each element the sum of its KS warps' partials in warp
+        order (partials at red[rbase + ((warp, code block, batch tile), lane, 4)])."""
+        W, NT, NB = b.warps, b.nt, b.nb
+        dt = self.dtype
+        per_tile = 16 * NT * 8 * NB
+        for idx in cutlass.range(tidx, WN * per_tile, 32 * W, unroll=1):
+            t = idx // per_tile
+            rc = idx - t * per_tile
+            row = rc // (16 * NT)
+            col = rc - row * (16 * NT)
+            ocol = ((bid + tl * grid) * WN + t) * (16 * NT) + col
+            if (row < bt) & (ocol < out.shape[1]):
+                c16 = col & 15
+                src = ((((col >> 4) * NB + (row >> 3)) * 32 + 4 * (c16 & 7)
+                        + ((row & 7) >> 1)) * 4 + 2 * (c16 >> 3) + (row & 1))
+                tot = cutlass.Float32(0.0)
+                for kk in cutlass.range(KS, unroll=1):
+                    tot = tot + red[rbase + (t * KS + kk) * NT * NB * 32 * 4 + src]
+                out[row, ocol] = tot.to(dt)
+
+    @cute.jit
+    def _act_sums(self, red: cute.Tensor, rbase: Int32, out: cute.Tensor, tidx: Int32,
+                  bid: Int32, tl: Int32, grid: Int32, WN: Int32, KS: Int32, bt: Int32,
+                  b: cutlass.Constexpr):
+        """_sums for the gate / up phase: out[:, 16 t + c] = silu(gate) * up of tile t's
+        column c, gate and up each summed over the KS warps in warp order."""
+        W, NB = b.warps, b.nb
+        per_tile = 16 * 8 * NB
+        up = NB * 32 * 4                          # code block 1's offset in a warp's partials
+        for idx in cutlass.range(tidx, WN * per_tile, 32 * W, unroll=1):
+            t = idx // per_tile
+            rc = idx - t * per_tile
+            row = rc // 16
+            col = rc - row * 16
+            ocol = ((bid + tl * grid) * WN + t) * 16 + col
+            if (row < bt) & (ocol < out.shape[1]):
+                src = (((row >> 3) * 32 + 4 * (col & 7) + ((row & 7) >> 1)) * 4
+                       + 2 * (col >> 3) + (row & 1))
+                gs = cutlass.Float32(0.0)
+                us = cutlass.Float32(0.0)
+                for kk in cutlass.range(KS, unroll=1):
+                    base = rbase + (t * KS + kk) * 2 * NB * 32 * 4 + src
+                    gs = gs + red[base]
+                    us = us + red[base + up]
+                out[row, ocol] = _silu_mul(gs, us).to(self.dtype)
 
     # ------------------------------------------------------------------ helpers (traced inline)
     def _mma_k32(self, wlo, whi, xw, acc):
@@ -362,13 +434,14 @@ class W4a16GemmAda:
         return regs
 
     @cute.jit
-    def _advance(self, nx: Int32, it_t: Int32, it_b: Int32, ig: Int32, isl: Int32, st,
-                 nblk: Int32, bpg: Int32, packed: cute.Tensor, scales: cute.Tensor, bid: Int32,
-                 grid: Int32, WN: Int32, wn: Int32, b_lo: Int32, g_lo: Int32):
+    def _advance(self, b: cutlass.Constexpr, nx: Int32, it_t: Int32, it_b: Int32, ig: Int32,
+                 isl: Int32, st, nblk: Int32, bpg: Int32, packed: cute.Tensor,
+                 scales: cute.Tensor, bid: Int32, grid: Int32, WN: Int32, wn: Int32,
+                 b_lo: Int32, g_lo: Int32):
         """The copy side's next item: item nx is block it_b of the run of round it_t, at
         position ig of its group, into slot isl; st = (tile, codes offset, activation offset,
         scale offset), stepped by additions within a run, recomputed at a new tile."""
-        NT = self.b.nt
+        NT = b.nt
         tile, wo, xo, so = st
         nx = nx + 1
         it_b = it_b + 1
@@ -386,18 +459,18 @@ class W4a16GemmAda:
             wo = tile * NT * packed.stride[0] + b_lo * packed.stride[1]
             xo = b_lo * _KBLK
             so = g_lo * scales.stride[0] + tile * (16 * NT)
-        if isl == self.b.stages:
+        if isl == b.stages:
             isl = Int32(0)
         return nx, it_t, it_b, ig, isl, (tile, wo, xo, so)
 
     @cute.jit
-    def _issue(self, x: cute.Tensor, packed: cute.Tensor, scales: cute.Tensor, sW: cute.Tensor,
-               sX: cute.Tensor, sS: cute.Tensor, cp_w, cp_x, warp: Int32, lane: Int32,
-               bt: Int32, st, isl: Int32, group_start):
+    def _issue(self, b: cutlass.Constexpr, x: cute.Tensor, packed: cute.Tensor,
+               scales: cute.Tensor, sW: cute.Tensor, sX: cute.Tensor, sS: cute.Tensor, cp_w,
+               cp_x, warp: Int32, lane: Int32, bt: Int32, st, isl: Int32, group_start):
         """cp.async one (tile, k64 block) item into the warp's slot isl (st: _advance's tile
         and offsets): the lane's 16 bytes of codes per tile block, its activation vectors
         (rows < bt), the tile's scales (lanes 0 .. 2 NT - 1, at a group's first block)."""
-        R, NT, NB = self.b.stages, self.b.nt, self.b.nb
+        R, NT, NB = b.stages, b.nt, b.nb
         tile, wo, xo, so = st
         g = lane >> 2
         q = lane & 3
