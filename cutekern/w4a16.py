@@ -359,8 +359,9 @@ def w4a16_mlp(x: torch.Tensor, mlp: W4A16MLP, out: torch.Tensor | None = None,
     kernels/ada/w4a16_mlp.py): x [..., K] in the weights' scale dtype, fp32 accumulation,
     the product h rounded once to that dtype (``h`` [..., F], optional: where h goes; else a
     new tensor). Every CTA of the launch waits for every other's h, so the grid is at most
-    what the device holds at once; the down weights' first tiles are fetched into L2 while
-    they wait."""
+    what the device holds at once (as with a cooperative launch, a kernel that holds SMs for
+    good, e.g. another persistent one on a second stream, could keep some CTAs from ever
+    starting); each CTA's first down tile is fetched into L2 at its entry."""
     if not isinstance(mlp, W4A16MLP):
         raise TypeError(f"w4a16_mlp: argument 'mlp' must be a W4A16MLP (prepare_w4a16_mlp), "
                         f"got {type(mlp).__name__}")
