@@ -93,6 +93,8 @@ class W4a16MlpAda(W4a16GemmAda):
         b, _ = phase_shapes(config, rows16)
         if dtype not in _DTYPES or b.stages < 2 or b.warps < 1:
             return False
+        if config.prefetch_down not in ("entry", "wait", "none"):
+            return False
         return smem_bytes(b) <= SMEM_LIMIT_BYTES
 
     # ------------------------------------------------------------------ host side
