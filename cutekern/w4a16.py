@@ -114,15 +114,7 @@ def _check_linear(x, weight, out):
     if not isinstance(weight, W4A16Weight):
         raise TypeError(f"w4a16_linear: argument 'weight' must be a W4A16Weight "
                         f"(prepare_w4a16), got {type(weight).__name__}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"w4a16_linear: argument 'x' must be a torch.Tensor, got "
-                        f"{type(x).__name__}")
-    if x.dtype != weight.scales.dtype:
-        raise TypeError(f"w4a16_linear: argument 'x' must have the scales' dtype "
-                        f"{weight.scales.dtype}, got {x.dtype}")
-    if x.dim() < 1 or x.shape[-1] != weight.k:
-        raise ValueError(f"w4a16_linear: argument 'x' must be [..., K = {weight.k}], got shape "
-                         f"{tuple(x.shape)}")
+    _check_x("w4a16_linear", x, weight.scales.dtype, weight.k, "the scales'")
     if x.device != weight.packed.device:
         raise ValueError(f"w4a16_linear: argument 'x' must be on the weight's device "
                          f"{weight.packed.device}, got {x.device}")
@@ -136,15 +128,34 @@ def _check_linear(x, weight, out):
             or weight.scales.stride(-1) != 1 or weight.scales.device != weight.packed.device):
         raise ValueError("w4a16_linear: argument 'weight' is not a prepare_w4a16 result "
                          "(packed / scales shapes, dtype, layout or device)")
-    if out is not None:
-        want = (*x.shape[:-1], weight.n)
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
-            raise ValueError(f"w4a16_linear: argument 'out' must be a tensor of shape {want}")
-        if out.dtype != x.dtype or out.device != x.device:
-            raise TypeError(f"w4a16_linear: argument 'out' must be {x.dtype} on {x.device}, "
-                            f"got {out.dtype} on {out.device}")
-        if not out.is_contiguous():
-            raise ValueError("w4a16_linear: argument 'out' must be contiguous")
+    _check_dest("w4a16_linear", "out", out, weight.n, x)
+
+
+def _check_x(op, x, dtype, k, whose):
+    """x: a tensor of the weights' dtype, [..., K]."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != dtype:
+        raise TypeError(f"{op}: argument 'x' must have {whose} dtype {dtype}, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"{op}: argument 'x' must be [..., K = {k}], got shape "
+                         f"{tuple(x.shape)}")
+
+
+def _check_dest(op, name, t, width, x, aligned=False):
+    """An optional output: [..., width] like x, x's dtype and device, contiguous (and
+    16-byte aligned where a kernel reads it back with 16-byte copies)."""
+    if t is None:
+        return
+    want = (*x.shape[:-1], width)
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+        raise ValueError(f"{op}: argument '{name}' must be a tensor of shape {want}")
+    if t.dtype != x.dtype or t.device != x.device:
+        raise TypeError(f"{op}: argument '{name}' must be {x.dtype} on {x.device}, "
+                        f"got {t.dtype} on {t.device}")
+    if not t.is_contiguous() or (aligned and t.data_ptr() % 16):
+        raise ValueError(f"{op}: argument '{name}' must be contiguous"
+                         + (" and 16-byte aligned" if aligned else ""))
 
 
 def w4a16_linear(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None = None):
@@ -218,6 +229,12 @@ def cta_smem(cfg: dict, rows16: bool, cols: int) -> int:
         warps, stages = cfg["wide_warps"], cfg["wide_stages16" if rows16 else "wide_stages"]
     else:
         warps, stages = cfg["wide_warps"], cfg["wide64_stages"]
+    return _smem_bytes(warps, stages, nt, nb)
+
+
+def _smem_bytes(warps: int, stages: int, nt: int, nb: int) -> int:
+    """kernels/ada/w4a16_gemm.py's ``smem_bytes`` of a build shape (per warp: its ring of
+    codes, activations and scales per slot, and two tiles' partials)."""
     slot = nt * 512 + nb * 2 * 32 * 16 + nt * 32          # codes, activations, scales
     return warps * (stages * slot + 2 * nt * nb * 32 * 4 * 4)
 
@@ -365,27 +382,9 @@ def w4a16_mlp(x: torch.Tensor, mlp: W4A16MLP, out: torch.Tensor | None = None,
     if not isinstance(mlp, W4A16MLP):
         raise TypeError(f"w4a16_mlp: argument 'mlp' must be a W4A16MLP (prepare_w4a16_mlp), "
                         f"got {type(mlp).__name__}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"w4a16_mlp: argument 'x' must be a torch.Tensor, got "
-                        f"{type(x).__name__}")
-    if x.dtype != mlp.scales_gu.dtype:
-        raise TypeError(f"w4a16_mlp: argument 'x' must have the weights' dtype "
-                        f"{mlp.scales_gu.dtype}, got {x.dtype}")
-    if x.dim() < 1 or x.shape[-1] != mlp.k:
-        raise ValueError(f"w4a16_mlp: argument 'x' must be [..., K = {mlp.k}], got shape "
-                         f"{tuple(x.shape)}")
-    for name, t, width in (("out", out, mlp.d), ("h", h, mlp.f)):
-        if t is None:
-            continue
-        want = (*x.shape[:-1], width)
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
-            raise ValueError(f"w4a16_mlp: argument '{name}' must be a tensor of shape {want}")
-        if t.dtype != x.dtype or t.device != x.device:
-            raise TypeError(f"w4a16_mlp: argument '{name}' must be {x.dtype} on {x.device}, "
-                            f"got {t.dtype} on {t.device}")
-        if not t.is_contiguous() or t.data_ptr() % 16:
-            raise ValueError(f"w4a16_mlp: argument '{name}' must be contiguous and 16-byte "
-                             f"aligned")
+    _check_x("w4a16_mlp", x, mlp.scales_gu.dtype, mlp.k, "the weights'")
+    _check_dest("w4a16_mlp", "out", out, mlp.d, x, aligned=True)
+    _check_dest("w4a16_mlp", "h", h, mlp.f, x, aligned=True)
     if x.device != mlp.packed_gu.device or not x.is_cuda:
         raise ValueError(f"w4a16_mlp: argument 'x' must be on the weights' CUDA device "
                          f"{mlp.packed_gu.device}, got {x.device}")
@@ -398,17 +397,16 @@ def w4a16_mlp(x: torch.Tensor, mlp: W4A16MLP, out: torch.Tensor | None = None,
                                                 device=x.device)
     hh = h if h is not None else torch.empty(*x.shape[:-1], mlp.f, dtype=x.dtype,
                                              device=x.device)
-    _w4a16_mlp_impl(x2, mlp, hh.view(-1, mlp.f), y.view(-1, mlp.d))
+    _w4a16_mlp_impl(x2, mlp.packed_gu, mlp.scales_gu, mlp.down.packed, mlp.down.scales,
+                    mlp.sync, hh.view(-1, mlp.f), y.view(-1, mlp.d))
     return y
 
 
 def mlp_cta_smem(cfg: dict, rows16: bool) -> int:
     """Shared memory of one CTA of the MLP kernel (its first phase's buffers: the kernel's
     ``smem_bytes`` of that shape, restated so the launch path needs no DSL)."""
-    nb = 2 if rows16 else 1
-    stages = cfg["stages16" if rows16 else "stages"]
-    slot = 2 * 512 + nb * 2 * 32 * 16 + 2 * 32
-    return cfg["warps"] * (stages * slot + 2 * 2 * nb * 32 * 4 * 4)
+    return _smem_bytes(cfg["warps"], cfg["stages16" if rows16 else "stages"], 2,
+                       2 if rows16 else 1)
 
 
 def mlp_launch(mlp_f: int, mlp_d: int, cfg: dict, rows16: bool, sms: int, smem_sm: int):
@@ -424,37 +422,28 @@ def mlp_launch(mlp_f: int, mlp_d: int, cfg: dict, rows16: bool, sms: int, smem_s
     return grid, ks_gu, ks_d
 
 
-def _w4a16_mlp_impl(x2, mlp, h2, y2, check=False):
-    """The launches (one per 16 rows); ``mlp``: a W4A16MLP or any object with its fields."""
+def _w4a16_mlp_impl(x2, packed_gu, scales_gu, packed_d, scales_d, sync, h2, y2, check=False):
+    """The launches, one per 16 rows (F and D read off the scales' widths)."""
     from .dispatch import get_function
     m = x2.shape[0]
+    f, d = scales_gu.shape[1] // 2, scales_d.shape[1]
     stream = _raw_stream(x2.device)
     sms = sm_count(x2.device)
     for r0 in range(0, m, ROWS_PER_LAUNCH):
         rows = min(ROWS_PER_LAUNCH, m - r0)
         fn = get_function("w4a16_mlp", {"dtype": _DT_NAME[x2.dtype]}, {"rows16": rows > 8},
                           x2.device, design="ada")
-        grid, ks_gu, ks_d = mlp_launch(mlp.f, mlp.d, fn.meta["config"], rows > 8, sms,
+        grid, ks_gu, ks_d = mlp_launch(f, d, fn.meta["config"], rows > 8, sms,
                                        smem_per_sm(x2.device))
         grid = MLP_CTAS_OVERRIDE or grid
-        if grid + 1 > mlp.sync.numel():
+        if grid + 1 > sync.numel():
             raise RuntimeError(f"w4a16_mlp: a grid of {grid} CTAs needs {grid + 1} sync words, "
-                               f"the block holds {mlp.sync.numel()}")
-        fn(x2[r0:r0 + rows], mlp.packed_gu, mlp.scales_gu, mlp.down.packed, mlp.down.scales,
-           h2[r0:r0 + rows], y2[r0:r0 + rows], mlp.sync, grid, ks_gu, ks_d, stream=stream,
-           check=check)
+                               f"the block holds {sync.numel()}")
+        fn(x2[r0:r0 + rows], packed_gu, scales_gu, packed_d, scales_d, h2[r0:r0 + rows],
+           y2[r0:r0 + rows], sync, grid, ks_gu, ks_d, stream=stream, check=check)
 
 
 MLP_CTAS_OVERRIDE = None   # tests: a smaller grid (several tiles per CTA in both phases)
-
-
-class _MlpOperands:
-    """The fields _w4a16_mlp_impl reads, from the custom op's tensors."""
-    def __init__(self, packed_gu, scales_gu, packed_d, scales_d, sync):
-        self.packed_gu, self.scales_gu, self.sync = packed_gu, scales_gu, sync
-        self.down = W4A16Weight(packed_d, scales_d, packed_d.shape[1] * KBLOCK,
-                                scales_d.shape[1], packed_d.shape[1] * KBLOCK // scales_d.shape[0])
-        self.f, self.d = scales_gu.shape[1] // 2, scales_d.shape[1]
 
 
 @torch.library.custom_op("cutekern::w4a16_mlp", mutates_args=("sync",))
@@ -463,10 +452,10 @@ def _w4a16_mlp_op(x: torch.Tensor, packed_gu: torch.Tensor, scales_gu: torch.Ten
                   sync: torch.Tensor) -> torch.Tensor:
     # reachable as torch.ops.cutekern.w4a16_mlp without w4a16_mlp's checks: the launch checks
     # its arguments; sync is the block's generation word and flags
-    ops = _MlpOperands(packed_gu, scales_gu, packed_d, scales_d, sync)
-    y = torch.empty(x.shape[0], ops.d, dtype=x.dtype, device=x.device)
-    h = torch.empty(x.shape[0], ops.f, dtype=x.dtype, device=x.device)
-    _w4a16_mlp_impl(_aligned_rows(x), ops, h, y, check=True)
+    y = torch.empty(x.shape[0], scales_d.shape[1], dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape[0], scales_gu.shape[1] // 2, dtype=x.dtype, device=x.device)
+    _w4a16_mlp_impl(_aligned_rows(x), packed_gu, scales_gu, packed_d, scales_d, sync, h, y,
+                    check=True)
     return y
 
 

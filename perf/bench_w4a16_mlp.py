@@ -19,19 +19,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_w4a16 import BATCHES, GROUP, rel_err  # noqa: E402
 from common import measured_ceilings, time_graph_ms, write_results  # noqa: E402
 
 from cutekern.reference import w4a16_dequantize, w4a16_quantize  # noqa: E402
 from cutekern.w4a16 import (prepare_w4a16, prepare_w4a16_mlp, w4a16_linear,  # noqa: E402
                             w4a16_mlp)
 
-HIDDEN, INTER = 2048, 6144
-BATCHES = (1, 4, 8, 16)
-GROUP = 128
-
-
-def rel_err(y, ref):
-    return ((y.double() - ref).norm() / ref.norm()).item()
+HIDDEN, INTER = 2048, 6144   # Qwen3-1.7B
 
 
 def main():
