@@ -369,3 +369,31 @@ def w4a16_mlp_abi(dtype: str) -> tuple:
         ScalarArg("ks_d", "int32"),
         StreamArg(),
     )
+
+
+def decode_attn_abi(dtype: str) -> tuple:
+    """ABI of one decode step's attention with Qwen3's q / k RMSNorm and RoPE (head_dim 128;
+    Hq = out's width / 128, a multiple of Hkv = the caches' second extent):
+
+      qkv      (B, (Hq + 2 Hkv) 128)  dtype    the step's projections: q heads, k heads, v heads
+      k_cache  (B, Hkv, S, 128)       dtype    post-norm, post-RoPE keys; position lens[b] written
+      v_cache  (B, Hkv, S, 128)       dtype    values; position lens[b] written
+      lens     (B,)                   int32    cached positions per row (= the new token's)
+      q_norm   (128,)                 dtype    per-head RMSNorm weights of q and k
+      k_norm   (128,)                 dtype
+      rope     (P, 128)               float32  per position: cos(p f_i) for i < 64, then sin(p f_i)
+      out      (B, Hq 128)            dtype    softmax(q K^T / sqrt(128)) V per q head
+      eps                             float32  the RMSNorms' epsilon
+    """
+    return (
+        TensorArg("qkv", dtype, 2, align=8),
+        TensorArg("k_cache", dtype, 4, align=8),
+        TensorArg("v_cache", dtype, 4, align=8),
+        TensorArg("lens", "int32", 1, align=1),
+        TensorArg("q_norm", dtype, 1, align=8),
+        TensorArg("k_norm", dtype, 1, align=8),
+        TensorArg("rope", "float32", 2, align=4),
+        TensorArg("out", dtype, 2, align=8),
+        ScalarArg("eps", "float32"),
+        StreamArg(),
+    )

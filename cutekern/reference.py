@@ -577,6 +577,38 @@ def _rope(x, pos, theta):
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+def decode_attention_reference(qkv, k_cache, v_cache, lens, q_norm, k_norm, eps=1e-6,
+                               theta=1e6, head_dim=128):
+    """One decode step's attention in float64 (``cutekern.decode.decode_attention``'s
+    contract; qwen3_forward's attention per row at its own position): qkv [B, (Hq + 2 Hkv) D],
+    caches [B, Hkv, S, D] (positions < lens[b] read), lens [B]. Returns (out [B, Hq D], k
+    [B, Hkv, D], v [B, Hkv, D]): the attention output and the rows the step appends (post-norm,
+    post-RoPE k), float64; rows whose length is outside the cache get NaN outputs."""
+    acc = torch.float64
+    bsz = qkv.shape[0]
+    hkv, d = k_cache.shape[1], head_dim
+    hq = qkv.shape[1] // d - 2 * hkv
+    x = qkv.to(acc).view(bsz, hq + 2 * hkv, d)
+    q, k, v = x[:, :hq], x[:, hq:hq + hkv], x[:, hq + hkv:]
+    out = torch.full((bsz, hq, d), float("nan"), dtype=acc, device=qkv.device)
+    k_new = torch.empty(bsz, hkv, d, dtype=acc, device=qkv.device)
+    for b in range(bsz):
+        p = int(lens[b])
+        pos = torch.tensor([max(p, 0)], device=qkv.device)
+        qb = _rope(_rms(q[b][:, None], q_norm, eps), pos, theta)           # [Hq, 1, D]
+        kb = _rope(_rms(k[b][:, None], k_norm, eps), pos, theta)           # [Hkv, 1, D]
+        k_new[b] = kb[:, 0]
+        if not 0 <= p < k_cache.shape[2]:
+            continue
+        kk = torch.cat([k_cache[b, :, :p].to(acc), kb], 1)                 # [Hkv, p + 1, D]
+        vv = torch.cat([v_cache[b, :, :p].to(acc), v[b][:, None]], 1)
+        kk = kk.repeat_interleave(hq // hkv, 0)
+        vv = vv.repeat_interleave(hq // hkv, 0)
+        s = (qb @ kk.transpose(-1, -2)) * d ** -0.5                         # [Hq, 1, p + 1]
+        out[b] = (torch.softmax(s, -1) @ vv)[:, 0]
+    return out.reshape(bsz, hq * d), k_new, v.clone()
+
+
 def qwen3_forward(params, cfg: Qwen3Config, tokens, cache=None, acc_dtype=torch.float64,
                   weight=None):
     """Qwen3 decoder over new tokens [B, T] after the cached ones: prefill (no cache) and

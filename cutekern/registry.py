@@ -262,6 +262,17 @@ OPS: dict = {
         make=lambda k, dt, fl, cfg: k(dt["dtype"], fl["rows16"], cfg),
         doc="W4A16 SwiGLU MLP of decode in one launch: out = (silu(x Wg^T) * x Wu^T) Wd^T",
     ),
+    "decode_attn": OpSpec(
+        name="decode_attn",
+        abi=_abi.decode_attn_abi,
+        # the megakernel's attention task as its own launch first (Ada design)
+        designs={"ada": DesignImpl("kernels.ada.decode_attn", "DecodeAttnAda",
+                                   "DecodeAttnAdaConfig")},
+        extra_arches=(("ada", ("sm_100a", "sm_103a")),),
+        variants=tuple(((("dtype", dt),), ()) for dt in ("float16", "bfloat16")),
+        make=lambda k, dt, fl, cfg: k(dt["dtype"], cfg),
+        doc="decode attention with q / k RMSNorm and RoPE, KV cache append (head_dim 128)",
+    ),
 }
 
 

@@ -33,7 +33,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="perf/results")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--quick", action="store_true", help="5 reps, batches 1 and 16")
     args = ap.parse_args()
+    batches = BATCHES if not args.quick else (1, 16)
+    if args.quick:
+        args.reps = 5
     dt = torch.bfloat16
     ceil = measured_ceilings()
     print(f"ceilings: {ceil}", flush=True)
@@ -54,7 +58,7 @@ def main():
     nbytes_w = sum(n * k // 2 + (k // GROUP) * n * 2 for n, k in
                    ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)))
     cases = []
-    for m in BATCHES:
+    for m in batches:
         x = torch.randn(m, HIDDEN, device="cuda", generator=g).to(dt)
         out = torch.empty(m, HIDDEN, device="cuda", dtype=dt)
         h = torch.empty(m, INTER, device="cuda", dtype=dt)

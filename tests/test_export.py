@@ -62,6 +62,10 @@ OP_FINGERPRINTS = {
     # invalidation on acquire), still no atomics
     ("w4a16_mlp", "ada"): ({"LDGSTS", "LDGDEPBAR", "HMMA", "HFMA2", "MEMBAR", "CCTL"},
                            ATOMICS | {"HGMMA", "UTCHMMA", "UTMALDG", "LDL", "STL"}),
+    # decode attention: CUDA-core dots over 16-byte cache loads, butterfly sums, exp2; a
+    # fixed-order combine (no atomics), no local memory
+    ("decode_attn", "ada"): ({"LDG", "SHFL", "MUFU", "FFMA"},
+                             ATOMICS | {"HGMMA", "UTCHMMA", "UTMALDG", "LDL", "STL"}),
 }
 
 
@@ -135,6 +139,23 @@ def test_sass_fingerprints(exported, arch):
         assert not missing, f"{e['prefix']}: fast-path instructions missing: {missing}"
         assert not (ops & forbid), f"{e['prefix']}: slow-path instructions present: {ops & forbid}"
         assert set(e["sass"]["required_found"]) >= set(e["sass"]["required"])
+
+
+def test_decode_attn_reads_the_cache_in_16_byte_vectors(exported):
+    """Each lane's K and V rows are one 16-byte load per position (a 2-byte load per element
+    came out of a column-major register layout once)."""
+    import re
+    out, manifest = exported
+    seen = 0
+    for e in manifest["entries"]:
+        if e["op"] != "decode_attn":
+            continue
+        sass = (out / e["object"]).with_suffix(".sass").read_text()
+        wide = len(re.findall(r"LDG\.E\.128", sass))
+        assert wide >= 2 * dict(e["config"])["unroll"], (e["prefix"], wide)
+        assert not re.search(r"LDG\.E\.(U16|S16)", sass), e["prefix"]
+        seen += 1
+    assert seen >= 2
 
 
 def test_kda_intra_code_fits_the_instruction_cache(exported):

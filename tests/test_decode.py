@@ -1,0 +1,134 @@
+"""Decode attention (cutekern.decode) on the CPU: the float64 reference against
+reference.qwen3_forward's decoder (one layer, rows at their own positions), the RoPE table
+against the reference's rotary embedding, named argument errors, the custom op's fake."""
+import pytest
+import torch
+
+from cutekern.decode import HEAD_DIM, decode_attention, rope_table
+from cutekern.reference import (Qwen3Config, _rms, _rope, decode_attention_reference,
+                                qwen3_forward, qwen3_params)
+
+
+def test_rope_table_matches_the_reference_rotary_embedding():
+    tab = rope_table(300, theta=1e6).double()
+    x = torch.randn(2, 3, 4, HEAD_DIM, dtype=torch.float64)
+    pos = torch.tensor([0, 1, 77, 299])
+    want = _rope(x, pos, 1e6)
+    cos, sin = tab[pos, :64], tab[pos, 64:]
+    x1, x2 = x[..., :64], x[..., 64:]
+    got = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+    assert (got - want).abs().max() < 1e-6       # the table is fp32
+    assert rope_table(5).dtype == torch.float32 and rope_table(5).shape == (5, HEAD_DIM)
+
+
+def _one_layer_decode(cfg, params, tokens_b, n_prev):
+    """qwen3_forward's decode step of one row after n_prev prefilled tokens, and the same step
+    composed from decode_attention_reference (cache in float64)."""
+    p = params["layers"][0]
+    prev = tokens_b[None, :n_prev]
+    cache = None
+    if n_prev:
+        _, cache = qwen3_forward(params, cfg, prev)
+    else:
+        z = torch.zeros(1, cfg.kv_heads, 0, cfg.head_dim, dtype=torch.float64)
+        cache = [(z, z)]
+    want, _ = qwen3_forward(params, cfg, tokens_b[None, n_prev:n_prev + 1], cache=cache)
+    x = params["embed"][tokens_b[n_prev:n_prev + 1]].double()               # [1, H]
+    h = _rms(x, p["input_norm"], cfg.eps)
+    qkv = torch.cat([h @ p[n].double().t() for n in ("q", "k", "v")], -1)
+    s = cache[0][0].shape[2] + 1
+    kc = torch.zeros(1, cfg.kv_heads, s, cfg.head_dim, dtype=torch.float64)
+    vc = torch.zeros_like(kc)
+    kc[:, :, :n_prev] = cache[0][0]
+    vc[:, :, :n_prev] = cache[0][1]
+    a, _, _ = decode_attention_reference(qkv, kc, vc, torch.tensor([n_prev]), p["q_norm"],
+                                         p["k_norm"], cfg.eps, cfg.rope_theta, cfg.head_dim)
+    x = x + a @ p["o"].double().t()
+    h = _rms(x, p["post_norm"], cfg.eps)
+    g, u = h @ p["gate"].double().t(), h @ p["up"].double().t()
+    x = x + (torch.nn.functional.silu(g) * u) @ p["down"].double().t()
+    x = _rms(x, params["final_norm"], cfg.eps)
+    return want[0, 0], (x @ params["embed"].double().t())[0]
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 2), (2, 2), (8, 2)])
+def test_reference_is_the_decoder_step(q_heads, kv_heads):
+    cfg = Qwen3Config(hidden=256, layers=1, q_heads=q_heads, kv_heads=kv_heads,
+                      intermediate=384, vocab=97)
+    params = qwen3_params(cfg, seed=3)
+    tokens = torch.randint(0, cfg.vocab, (12,), generator=torch.Generator().manual_seed(1))
+    for n_prev in (0, 1, 7, 11):            # rows at their own positions (ragged batches)
+        want, got = _one_layer_decode(cfg, params, tokens, n_prev)
+        assert (got - want).abs().max() < 1e-9 * want.abs().max()
+
+
+def test_reference_marks_rows_outside_the_cache():
+    qkv = torch.randn(3, 4 * HEAD_DIM)
+    kc = torch.randn(3, 1, 5, HEAD_DIM)
+    w = torch.ones(HEAD_DIM)
+    out, k, v = decode_attention_reference(qkv, kc, kc, torch.tensor([4, 5, -1]), w, w)
+    assert not out[0].isnan().any() and out[1:].isnan().all()
+    assert torch.equal(v, qkv.double().view(3, 4, HEAD_DIM)[:, 3:])
+
+
+def _args(b=3, hq=4, hkv=2, s=9, dtype=torch.float16):
+    return dict(qkv=torch.randn(b, (hq + 2 * hkv) * HEAD_DIM).to(dtype),
+                k_cache=torch.randn(b, hkv, s, HEAD_DIM).to(dtype),
+                v_cache=torch.randn(b, hkv, s, HEAD_DIM).to(dtype),
+                lens=torch.zeros(b, dtype=torch.int32),
+                q_norm_weight=torch.ones(HEAD_DIM, dtype=dtype),
+                k_norm_weight=torch.ones(HEAD_DIM, dtype=dtype), rope=rope_table(16))
+
+
+def test_decode_attention_names_the_bad_argument():
+    good = _args()
+    bad = [
+        ({"qkv": good["qkv"].float()}, ValueError, "qkv"),
+        ({"qkv": good["qkv"][:, :-8]}, ValueError, "qkv"),
+        ({"qkv": torch.randn(3, 5 * HEAD_DIM).half()}, ValueError, "qkv"),     # Hq 1 of 2
+        ({"qkv": torch.randn(3, 4 * HEAD_DIM).half()}, ValueError, "qkv"),     # Hq 0
+        ({"k_cache": good["k_cache"][..., :64]}, ValueError, "k_cache"),
+        ({"k_cache": good["k_cache"][:2]}, ValueError, "k_cache"),
+        ({"k_cache": good["k_cache"].bfloat16()}, ValueError, "k_cache"),
+        ({"v_cache": good["v_cache"][:, :, :4]}, ValueError, "v_cache"),
+        ({"v_cache": good["v_cache"][..., 1:].contiguous()}, ValueError, "v_cache"),
+        ({"k_cache": torch.randn(3, 2, HEAD_DIM, 9).half().transpose(2, 3)}, ValueError,
+         "k_cache"),
+        ({"lens": good["lens"].long()}, ValueError, "lens"),
+        ({"lens": good["lens"][:2]}, ValueError, "lens"),
+        ({"lens": torch.zeros(3, 2, dtype=torch.int32)[:, 0]}, ValueError, "lens"),
+        ({"q_norm_weight": torch.ones(64).half()}, ValueError, "q_norm_weight"),
+        ({"k_norm_weight": torch.ones(HEAD_DIM)}, ValueError, "k_norm_weight"),
+        ({"rope": rope_table(16).double()}, ValueError, "rope"),
+        ({"rope": rope_table(16)[:, :64]}, ValueError, "rope"),
+        ({"rope": rope_table(16, 256)[:, ::2]}, ValueError, "rope"),
+        ({"qkv": good["qkv"].tolist()}, TypeError, "qkv"),
+        ({"eps": 0.0}, ValueError, "eps"),
+        ({"eps": float("nan")}, ValueError, "eps"),
+        ({"out": torch.empty(3, 511).half()}, ValueError, "out"),
+        ({"out": torch.empty(3, 512)}, ValueError, "out"),
+        ({}, ValueError, "qkv"),                                  # CPU: must be on CUDA
+    ]
+    for change, exc, name in bad:
+        kw = {**good, **change}
+        with pytest.raises(exc, match=f"'{name}'"):
+            decode_attention(**kw)
+
+
+def test_fake_implementation():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        a = _args(b=5, hq=6, hkv=3, dtype=torch.bfloat16)
+        y = torch.ops.cutekern.decode_attention(a["qkv"], a["k_cache"], a["v_cache"],
+                                                a["lens"], a["q_norm_weight"],
+                                                a["k_norm_weight"], a["rope"], 1e-6)
+        assert y.shape == (5, 6 * HEAD_DIM) and y.dtype == torch.bfloat16
+
+
+def test_kernel_config_fits():
+    pytest.importorskip("cutlass")
+    from kernels.ada.decode_attn import DecodeAttnAda, DecodeAttnAdaConfig
+    import cutlass
+    assert DecodeAttnAda.can_implement(cutlass.BFloat16, DecodeAttnAdaConfig())
+    assert not DecodeAttnAda.can_implement(cutlass.BFloat16, DecodeAttnAdaConfig(warps=2))
+    assert not DecodeAttnAda.can_implement(cutlass.Float32, DecodeAttnAdaConfig())
