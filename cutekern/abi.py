@@ -384,6 +384,13 @@ def decode_attn_abi(dtype: str) -> tuple:
       rope     (P, 128)               float32  per position: cos(p f_i) for i < 64, then sin(p f_i)
       out      (B, Hq 128)            dtype    softmax(q K^T / sqrt(128)) V per q head
       eps                             float32  the RMSNorms' epsilon
+      xch      (>= 2 W,)              int32    W = B Hkv ceil(group / 2) (splits - 1) 2 130
+                                               8-byte exchange words, zero between launches
+                                               (split 0 clears what it read); one launch at a
+                                               time per buffer
+      splits                          int32    CTAs per (row, KV head, head pair) over the
+                                               positions (all resident: split 0 waits for
+                                               the others)
     """
     return (
         TensorArg("qkv", dtype, 2, align=8),
@@ -395,5 +402,7 @@ def decode_attn_abi(dtype: str) -> tuple:
         TensorArg("rope", "float32", 2, align=4),
         TensorArg("out", dtype, 2, align=8),
         ScalarArg("eps", "float32"),
+        TensorArg("xch", "int32", 1, align=2),
+        ScalarArg("splits", "int32"),
         StreamArg(),
     )

@@ -125,7 +125,12 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     lens (int32, on the device) is not read by the host (no sync; CUDA-graph capturable): a
     row whose length is outside the caches (or the RoPE table) gets NaN outputs and its
     caches are left alone. lens is not advanced: the caller adds 1 after the step. Rows and
-    heads are independent and summed in a fixed order (bitwise deterministic)."""
+    heads are independent and summed in a fixed order (bitwise deterministic).
+
+    Launches with fewer CTAs (row x KV head x pair of q heads) than SMs split each one's
+    positions over up to 16 CTAs (one per 256 cache positions at most); split 0 waits for
+    the others' partials, exchanged through a per-stream buffer, so as with a cooperative
+    launch another kernel holding SMs for good on a second stream could stall it."""
     bsz, hq, _ = _check(qkv, k_cache, v_cache, lens, q_norm_weight, k_norm_weight, rope, eps,
                         out)
     if out is None and torch.compiler.is_compiling():
@@ -138,14 +143,52 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return y
 
 
+SPLIT_MIN_POSITIONS = 256   # cache positions per split at least (a split's fixed cost)
+MAX_SPLITS = 16
+SPLITS_OVERRIDE = None      # tests: force the split count (still bounded by one CTA per SM)
+
+
+def pick_splits(ctas: int, capacity: int, sms: int) -> int:
+    """CTAs over each (row, KV head, head pair)'s positions: enough to put a CTA on every SM
+    when the launch has fewer, at most one per SM in all (split 0 waits for the others, so
+    every CTA must be resident) and one per SPLIT_MIN_POSITIONS of the cache's capacity."""
+    if SPLITS_OVERRIDE is not None:
+        return max(1, min(SPLITS_OVERRIDE, sms // max(ctas, 1)))
+    return max(1, min(sms // max(ctas, 1), -(-capacity // SPLIT_MIN_POSITIONS), MAX_SPLITS))
+
+
+_XCH: dict = {}
+
+
+def _xch_buffer(device, words: int) -> torch.Tensor:
+    """The split exchange words (int32 pairs, zero between launches: split 0 clears what it
+    read): one buffer per (device, stream), grown as needed, since launches on a stream never
+    overlap; a fresh one while a CUDA graph is being captured (the capture owns it)."""
+    words = max(words, 2)
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(words, dtype=torch.int32, device=device)
+    key = (device.index, _raw_stream(device))
+    buf = _XCH.get(key)
+    if buf is None or buf.numel() < words:
+        buf = _XCH[key] = torch.zeros(words, dtype=torch.int32, device=device)
+    return buf
+
+
 def _decode_attn_impl(qkv, k_cache, v_cache, lens, q_norm, k_norm, rope, out, eps,
                       check=False):
+    from .arch import sm_count
     from .dispatch import get_function
-    if qkv.shape[0] == 0:
+    bsz = qkv.shape[0]
+    if bsz == 0:
         return
+    hkv = k_cache.shape[1]
+    group = out.shape[1] // HEAD_DIM // hkv
+    ctas = bsz * hkv * -(-group // 2)
+    splits = pick_splits(ctas, min(k_cache.shape[2], rope.shape[0]), sm_count(qkv.device))
+    xch = _xch_buffer(qkv.device, ctas * (splits - 1) * 2 * (HEAD_DIM + 2) * 2)
     fn = get_function("decode_attn", {"dtype": _DT_NAME[qkv.dtype]}, {}, qkv.device,
                       design="ada")
-    fn(qkv, k_cache, v_cache, lens, q_norm, k_norm, rope, out, eps,
+    fn(qkv, k_cache, v_cache, lens, q_norm, k_norm, rope, out, eps, xch, splits,
        stream=_raw_stream(qkv.device), check=check)
 
 

@@ -132,3 +132,16 @@ def test_kernel_config_fits():
     assert DecodeAttnAda.can_implement(cutlass.BFloat16, DecodeAttnAdaConfig())
     assert not DecodeAttnAda.can_implement(cutlass.BFloat16, DecodeAttnAdaConfig(warps=2))
     assert not DecodeAttnAda.can_implement(cutlass.Float32, DecodeAttnAdaConfig())
+
+
+def test_split_pick_keeps_every_cta_resident():
+    from cutekern.decode import MAX_SPLITS, SPLIT_MIN_POSITIONS, pick_splits
+    assert pick_splits(8, 4096, 132) == MAX_SPLITS            # B = 1, Qwen3: 8 CTAs
+    assert pick_splits(64, 4096, 132) == 2
+    assert pick_splits(128, 4096, 132) == 1
+    assert pick_splits(8, 77, 132) == 1                       # a short cache: one split
+    assert pick_splits(8, 3 * SPLIT_MIN_POSITIONS, 132) == 3
+    for ctas in range(1, 300):
+        for cap in (1, 255, 256, 257, 5000, 1 << 20):
+            n = pick_splits(ctas, cap, 132)
+            assert n >= 1 and (n == 1 or ctas * n <= 132)

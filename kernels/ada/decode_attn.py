@@ -31,15 +31,18 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 
 from kernels._cvt import widen
+from kernels._xch import bits_f32, f32_bits
 
 SMEM_LIMIT_BYTES = 99 * 1024
 HEAD_DIM = 128
 _HEADS = 2              # q heads per CTA
 _LOG2_E = 1.4426950408889634
 _NEG = -1.0e30          # finite start of a running max (an empty half-warp must not NaN)
+_REC = HEAD_DIM + 2     # exchange words per head: partial outputs, max, sum
+_FULL = 1 << 32         # an exchange word's tag: (1 << 32) | fp32 bits; 0 = empty
 
 SASS_REQUIRED = ("LDG", "SHFL", "MUFU")
 SASS_FORBIDDEN = ("HGMMA", "UTCHMMA", "UTMALDG", "ATOM", "ATOMG", "RED", "REDG", "LDL", "STL")
@@ -64,6 +67,28 @@ def _rows(n):
     return cute.make_layout((n, 8), stride=(8, 1))
 
 
+@cute.jit
+def _put(word: cute.Pointer, val: Float32):
+    """Publish val: value and tag in one 8-byte store (single-copy atomic, relaxed at gpu
+    scope), so a reader that sees the tag sees the value; no fence, no flag."""
+    cute.arch.store(word, Int64(_FULL) | (Int64(f32_bits(val)) & Int64(0xFFFFFFFF)),
+                    sem="relaxed", scope="gpu")
+
+
+@cute.jit
+def _take(word: cute.Pointer) -> Float32:
+    """Wait for a published word (split 0 only: every split of the launch is resident)."""
+    w = cute.arch.load(word, Int64, sem="relaxed", scope="gpu")
+    while (w >> 32) == 0:
+        w = cute.arch.load(word, Int64, sem="relaxed", scope="gpu")
+    return bits_f32(Int32(w & Int64(0xFFFFFFFF)))
+
+
+@cute.jit
+def _clear(word: cute.Pointer):
+    cute.arch.store(word, Int64(0), sem="relaxed", scope="gpu")
+
+
 class DecodeAttnAda:
     def __init__(self, dtype, config: DecodeAttnAdaConfig = DecodeAttnAdaConfig()):
         if not DecodeAttnAda.can_implement(dtype, config):
@@ -81,25 +106,27 @@ class DecodeAttnAda:
     @cute.jit
     def __call__(self, qkv: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor,
                  lens: cute.Tensor, q_norm: cute.Tensor, k_norm: cute.Tensor, rope: cute.Tensor,
-                 out: cute.Tensor, eps: Float32, stream: cuda.CUstream):
+                 out: cute.Tensor, eps: Float32, xch: cute.Tensor, splits: Int32,
+                 stream: cuda.CUstream):
         hkv = k_cache.shape[1]
         group = (out.shape[1] // HEAD_DIM) // hkv
-        self.kernel(qkv, k_cache, v_cache, lens, q_norm, k_norm, rope, out, eps).launch(
-            grid=[qkv.shape[0] * hkv, (group + _HEADS - 1) // _HEADS, 1],
+        self.kernel(qkv, k_cache, v_cache, lens, q_norm, k_norm, rope, out, eps, xch).launch(
+            grid=[qkv.shape[0] * hkv, (group + _HEADS - 1) // _HEADS, splits],
             block=[32 * self.cfg.warps, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, qkv: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor,
                lens: cute.Tensor, q_norm: cute.Tensor, k_norm: cute.Tensor, rope: cute.Tensor,
-               out: cute.Tensor, eps: Float32):
+               out: cute.Tensor, eps: Float32, xch: cute.Tensor):
         D = HEAD_DIM
         NHW = 2 * self.cfg.warps
         NT = 32 * self.cfg.warps
         U = self.cfg.unroll
         dt = self.dtype
         tidx, _, _ = cute.arch.thread_idx()
-        bx, by, _ = cute.arch.block_idx()
+        bx, by, bz = cute.arch.block_idx()
+        _, gy, splits = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         hkv = k_cache.shape[1]
@@ -126,9 +153,15 @@ class DecodeAttnAda:
         sAcc = storage.acc.get_tensor(cute.make_layout((NHW, _HEADS, D),
                                                        stride=(_HEADS * D, D, 1)))
         if valid:
+            # this CTA group's exchange records: split 1.. x head x (128 partial outputs,
+            # max, sum), one 8-byte word each
+            xrec = cute.make_ptr(Int64, xch.iterator.toint() + Int64(
+                (bx * gy + by) * (splits - 1)) * Int64(_HEADS * _REC * 8),
+                cute.AddressSpace.gmem, assumed_align=8)
             self._attend(qkv, k_cache, v_cache, q_norm, k_norm, rope, out, eps, sQ, sKV, sML,
-                         sAcc, b, kvh, by, h0, nh, pos, hq, hkv, tidx, warp, lane)
-        else:
+                         sAcc, b, kvh, by, h0, nh, pos, hq, hkv, tidx, warp, lane, bz, splits,
+                         xrec)
+        elif bz == 0:
             # a length outside the cache: NaN out (loud), cache untouched
             for i in cutlass.range(tidx, _HEADS * D, NT, unroll=1):
                 h = i // D
@@ -140,7 +173,8 @@ class DecodeAttnAda:
                 q_norm: cute.Tensor, k_norm: cute.Tensor, rope: cute.Tensor, out: cute.Tensor,
                 eps: Float32, sQ: cute.Tensor, sKV: cute.Tensor, sML: cute.Tensor,
                 sAcc: cute.Tensor, b: Int32, kvh: Int32, by: Int32, h0: Int32, nh: Int32, pos: Int32,
-                hq: Int32, hkv: Int32, tidx: Int32, warp: Int32, lane: Int32):
+                hq: Int32, hkv: Int32, tidx: Int32, warp: Int32, lane: Int32, z: Int32,
+                splits: Int32, xrec: cute.Pointer):
         D = HEAD_DIM
         NHW = 2 * self.cfg.warps
         NT = 32 * self.cfg.warps
@@ -179,10 +213,9 @@ class DecodeAttnAda:
                 y[e] = x[e] * cs[e] + sign * other * sn[e]
             if warp == 2:
                 xr.store(y.load().to(dt))
-                sKV[0, lane * 4] = Float32(xr[0])
-                for e in cutlass.range_constexpr(1, 4):
+                for e in cutlass.range_constexpr(4):
                     sKV[0, lane * 4 + e] = Float32(xr[e])
-                if by == 0:
+                if (by == 0) & (z == 0):
                     cute.autovec_copy(xr, cute.local_tile(k_cache[b, kvh, pos, None], (4,),
                                                           (lane,)))
             else:
@@ -194,13 +227,15 @@ class DecodeAttnAda:
             cute.autovec_copy(cute.local_tile(qkv[b, None], (4,), (col // 4 + lane,)), xr)
             for e in cutlass.range_constexpr(4):
                 sKV[1, lane * 4 + e] = Float32(xr[e])
-            if by == 0:
+            if (by == 0) & (z == 0):
                 cute.autovec_copy(xr, cute.local_tile(v_cache[b, kvh, pos, None], (4,),
                                                       (lane,)))
         cute.arch.sync_threads()
 
-        # ---- the cached positions: half-warp hw takes pos hw, hw + NHW, ...; lane j of
-        # it channels 8j .. 8j + 7
+        # ---- this split's cached positions lo .. hi - 1: half-warp hw takes lo + hw,
+        # lo + hw + NHW, ...; lane j of it channels 8j .. 8j + 7
+        lo = (pos * z) // splits
+        hi = (pos * (z + 1)) // splits
         j = tidx % 16
         hw = tidx // 16
         qf = cute.make_rmem_tensor(_rows(_HEADS), Float32)
@@ -219,7 +254,7 @@ class DecodeAttnAda:
             st[h, 0] = Float32(_NEG)
             st[h, 1] = Float32(0.0)
             acc[h, None].fill(0.0)
-            if hw == 0:
+            if (hw == 0) & (z == 0):
                 st[h, 0] = s_new
                 st[h, 1] = Float32(1.0)
                 acc[h, None].store(vn.load())
@@ -229,10 +264,10 @@ class DecodeAttnAda:
         vf = cute.make_rmem_tensor(_rows(U), Float32)
         kf = cute.make_rmem_tensor((8,), Float32)
         sc = cute.make_rmem_tensor((_HEADS, U), Float32)
-        for base in cutlass.range(0, pos, NHW * U, unroll=1):
+        for base in cutlass.range(lo, hi, NHW * U, unroll=1):
             for u in cutlass.range_constexpr(U):
                 # past the end: reread the last cached position, score -inf below
-                s = cutlass.min(base + u * NHW + hw, pos - 1)
+                s = cutlass.min(base + u * NHW + hw, hi - 1)
                 cute.autovec_copy(cute.local_tile(k_cache[b, kvh, s, None], (8,), (j,)),
                                   kr[u, None])
                 cute.autovec_copy(cute.local_tile(v_cache[b, kvh, s, None], (8,), (j,)),
@@ -242,7 +277,7 @@ class DecodeAttnAda:
                 vf[u, None].store(widen(vr[u, None].load()))
                 for h in cutlass.range_constexpr(_HEADS):
                     sc[h, u] = self._dot8(qf, h, kf)
-                    if base + u * NHW + hw >= pos:
+                    if base + u * NHW + hw >= hi:
                         sc[h, u] = Float32(-math.inf)
             for h in cutlass.range_constexpr(_HEADS):
                 mx = st[h, 0]
@@ -265,29 +300,65 @@ class DecodeAttnAda:
                 sML[hw, h, 1] = st[h, 1]
             cute.autovec_copy(acc[h, None], cute.local_tile(sAcc[hw, h, None], (8,), (j,)))
         cute.arch.sync_threads()
+        # ---- then the splits (z > 0 publish, split 0 sums them in split order and stores)
         for i in cutlass.range(tidx, _HEADS * D // 2, NT, unroll=1):
             h = i // (D // 2)
             e = 2 * (i - h * (D // 2))
-            if h < nh:
-                mx = sML[0, h, 0]
-                for w in cutlass.range_constexpr(1, NHW):
-                    mx = cute.arch.fmax(mx, sML[w, h, 0])
-                tot = Float32(0.0)
-                o0 = Float32(0.0)
-                o1 = Float32(0.0)
-                for w in cutlass.range_constexpr(NHW):
-                    f = cute.math.exp2(sML[w, h, 0] - mx, fastmath=True)
-                    tot = tot + sML[w, h, 1] * f
-                    o0 = o0 + sAcc[w, h, e] * f
-                    o1 = o1 + sAcc[w, h, e + 1] * f
-                r = cute.arch.rcp_approx(tot)   # tot >= 1: the max position counts 1
-                ov = cute.make_rmem_tensor((2,), Float32)
-                ov[0] = o0 * r
-                ov[1] = o1 * r
-                ob = cute.make_rmem_tensor((2,), dt)
-                ob.store(ov.load().to(dt))
-                cute.autovec_copy(ob, cute.local_tile(out[b, None], (2,),
-                                                      (((h0 + h) * D + e) // 2,)))
+            mx = sML[0, h, 0]
+            for w in cutlass.range_constexpr(1, NHW):
+                mx = cute.arch.fmax(mx, sML[w, h, 0])
+            tot = Float32(0.0)
+            o0 = Float32(0.0)
+            o1 = Float32(0.0)
+            for w in cutlass.range_constexpr(NHW):
+                f = cute.math.exp2(sML[w, h, 0] - mx, fastmath=True)
+                tot = tot + sML[w, h, 1] * f
+                o0 = o0 + sAcc[w, h, e] * f
+                o1 = o1 + sAcc[w, h, e + 1] * f
+            if z > 0:
+                rec = xrec + ((z - 1) * _HEADS + h) * _REC
+                _put(rec + e, o0)
+                _put(rec + e + 1, o1)
+                if e == 0:
+                    _put(rec + D, mx)
+                    _put(rec + D + 1, tot)
+            else:
+                for zz in cutlass.range(1, splits, unroll=1):
+                    rec = xrec + ((zz - 1) * _HEADS + h) * _REC
+                    mz = _take(rec + D)
+                    tz = _take(rec + D + 1)
+                    p0 = _take(rec + e)
+                    p1 = _take(rec + e + 1)
+                    m2 = cute.arch.fmax(mx, mz)
+                    fa = cute.math.exp2(mx - m2, fastmath=True)
+                    fb = cute.math.exp2(mz - m2, fastmath=True)
+                    tot = tot * fa + tz * fb
+                    o0 = o0 * fa + p0 * fb
+                    o1 = o1 * fa + p1 * fb
+                    mx = m2
+                if h < nh:
+                    r = cute.arch.rcp_approx(tot)   # tot >= 1: the max position counts 1
+                    ov = cute.make_rmem_tensor((2,), Float32)
+                    ov[0] = o0 * r
+                    ov[1] = o1 * r
+                    ob = cute.make_rmem_tensor((2,), dt)
+                    ob.store(ov.load().to(dt))
+                    cute.autovec_copy(ob, cute.local_tile(out[b, None], (2,),
+                                                          (((h0 + h) * D + e) // 2,)))
+        if (z == 0) & (splits > 1):
+            # every thread has read its words (a head's max / sum words are read by all its
+            # threads): back to 0 for the next launch
+            cute.arch.sync_threads()
+            for i in cutlass.range(tidx, _HEADS * D // 2, NT, unroll=1):
+                h = i // (D // 2)
+                e = 2 * (i - h * (D // 2))
+                for zz in cutlass.range(1, splits, unroll=1):
+                    rec = xrec + ((zz - 1) * _HEADS + h) * _REC
+                    _clear(rec + e)
+                    _clear(rec + e + 1)
+                    if e == 0:
+                        _clear(rec + D)
+                        _clear(rec + D + 1)
 
     @staticmethod
     @cute.jit

@@ -5,9 +5,13 @@ appended k (within a rounding of the fp32 value) and v (bit for bit), every othe
 element unchanged bit for bit; fresh random inputs, poisoned outputs, ragged lengths
 (0, 1, S - 1, off multiples of the CTA's 32 positions per step), GQA groups 1..8 (odd ones
 split a CTA's head pair), rows outside the cache (NaN out, cache untouched), repeat and
-batch invariance, CUDA-graph replay with new contents, torch.compile, a hypothesis fuzz."""
+batch invariance, the positions split over several CTAs (1..16 splits, partials exchanged
+through words that must be zero again after every launch), CUDA-graph replay with new
+contents, torch.compile, a hypothesis fuzz."""
 import pytest
 import torch
+
+import cutekern.decode as dec
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cutekern.arch import target_arch
@@ -21,6 +25,20 @@ pytestmark = pytest.mark.skipif("ada" not in OPS["decode_attn"].designs_on(targe
 DTYPES = (torch.float16, torch.bfloat16)
 # out: fp32 inside, one rounding at the end, plus the appended k's rounding in one score
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2.4e-2}
+
+
+@pytest.fixture(params=[None, 1, 3, 16])
+def splits(request, monkeypatch):
+    """None: the API's pick; else forced (still at most one CTA per SM in all)."""
+    monkeypatch.setattr(dec, "SPLITS_OVERRIDE", request.param)
+    return request.param
+
+
+def xch_clear():
+    """Split 0 leaves every exchange word it read at zero (the next launch relies on it)."""
+    torch.cuda.synchronize()
+    for buf in dec._XCH.values():
+        assert int(buf.abs().sum()) == 0
 
 
 class Case:
@@ -45,6 +63,7 @@ class Case:
                                 self.rope, out=out)
 
     def check(self, out):
+        xch_clear()
         ref, k_new, v_new = decode_attention_reference(self.qkv, self.kc0, self.vc0,
                                                        self.lens.cpu(), self.qn, self.kn)
         s = self.kc.shape[2]
@@ -70,7 +89,7 @@ class Case:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b", [1, 3, 16])
-def test_qwen3_heads(dtype, b):
+def test_qwen3_heads(dtype, b, splits):
     """Qwen3-1.7B's heads (16 q / 8 KV), ragged lengths incl. 0 and S - 1."""
     s = 200
     lens = [(37 * i + 5) % s for i in range(b)]
@@ -82,7 +101,7 @@ def test_qwen3_heads(dtype, b):
 
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2), (12, 4), (8, 1), (16, 2), (5, 5)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_groups(hq, hkv, dtype):
+def test_groups(hq, hkv, dtype, splits):
     """GQA groups 1..8 (group 3: a CTA with one head; group 1: a pair spanning two KV heads
     would be wrong)."""
     lens = [0, 1, 31, 32, 33, 64, 95]
@@ -91,13 +110,13 @@ def test_groups(hq, hkv, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_long_context(dtype):
+def test_long_context(dtype, splits):
     lens = [4095, 2049, 3000]
     c = Case(3, 16, 8, 4096, lens, dtype, seed=5)
     c.check(c.run())
 
 
-def test_rows_outside_the_cache_get_nan():
+def test_rows_outside_the_cache_get_nan(splits):
     lens = [5, -1, 40, 41, 1 << 30, 0]
     c = Case(len(lens), 4, 2, 41, lens, torch.bfloat16, seed=7)
     c.check(c.run())
@@ -117,7 +136,10 @@ def test_one_cached_position_and_none():
     assert torch.equal(out, v)
 
 
-def test_deterministic_and_batch_invariant():
+def test_deterministic_and_batch_invariant(monkeypatch):
+    """Bit for bit across runs; across batches at the same split count (the split count
+    follows the launch's CTA count, and a different count sums in another order)."""
+    monkeypatch.setattr(dec, "SPLITS_OVERRIDE", 1)
     c = Case(9, 16, 8, 300, [3, 299, 150, 0, 77, 200, 1, 64, 128], torch.bfloat16, seed=11)
     first = c.run()
     for _ in range(20):
@@ -128,7 +150,25 @@ def test_deterministic_and_batch_invariant():
         assert torch.equal(one[0], first[b])
 
 
-def test_cuda_graph_replay_with_new_contents():
+def test_splits_agree():
+    """The same step with 1, 2, 5 and 16 splits: equal within fp32 rounding (different
+    summation orders), each deterministic."""
+    outs = []
+    for n in (1, 2, 5, 16):
+        dec.SPLITS_OVERRIDE = n
+        try:
+            c = Case(2, 4, 2, 3000, [2999, 1500], torch.bfloat16, seed=19)
+            a, b2 = c.run(), c.run()
+        finally:
+            dec.SPLITS_OVERRIDE = None
+        assert torch.equal(a, b2)
+        c.check(a)
+        outs.append(a.float())
+    for o in outs[1:]:
+        assert (o - outs[0]).abs().max() <= 2 ** -7 * (1 + outs[0].abs().max())
+
+
+def test_cuda_graph_replay_with_new_contents(splits):
     c = Case(4, 16, 8, 128, [10, 20, 30, 40], torch.bfloat16, seed=13)
     out = torch.empty(4, 16 * HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     c.run(out)                                    # warm: compile / load outside the capture
@@ -145,6 +185,8 @@ def test_cuda_graph_replay_with_new_contents():
         g.replay()
         torch.cuda.synchronize()
         c.check(out)
+    del g
+    torch.cuda.synchronize()
 
 
 def test_torch_compile():
@@ -163,7 +205,11 @@ def test_torch_compile():
        s=st.integers(1, 300), dt=st.sampled_from(DTYPES), seed=st.integers(0, 2 ** 16),
        data=st.data())
 def test_fuzz(b, hkv, group, s, dt, seed, data):
+    dec.SPLITS_OVERRIDE = data.draw(st.sampled_from([None, 1, 2, 7]))
     lens = data.draw(st.lists(st.one_of(st.integers(0, s - 1), st.integers(-3, s + 3)),
                               min_size=b, max_size=b))
-    c = Case(b, hkv * group, hkv, s, lens, dt, seed=seed)
-    c.check(c.run())
+    try:
+        c = Case(b, hkv * group, hkv, s, lens, dt, seed=seed)
+        c.check(c.run())
+    finally:
+        dec.SPLITS_OVERRIDE = None
