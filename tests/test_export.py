@@ -147,7 +147,7 @@ def test_decode_attn_reads_the_cache_in_16_byte_vectors(exported):
     import re
     out, manifest = exported
     seen = 0
-    for e in manifest["entries"]:
+    for e in manifest["kernels"]:
         if e["op"] != "decode_attn":
             continue
         sass = (out / e["object"]).with_suffix(".sass").read_text()
