@@ -3,7 +3,8 @@ one 8-byte word (seq << 32 | fp32 bits) stored relaxed at gpu scope is single-co
 reader that sees the sequence number it expects also sees the value. Sequence numbers only
 grow (a writer stores the number of the current launch), so a stale word never matches.
 Used by the AttnRes split kernels of the Ada design (kernels/sm90/attn_res.py, xchg_global) and
-the BGMV small-batch plan kernel (kernels/sm90/bgmv_binplan.py)."""
+the BGMV small-batch plan kernel (kernels/sm90/bgmv_binplan.py); decode attention's splits
+(kernels/ada/decode_attn.py) use the bit helpers with a fixed tag, cleared by the reader."""
 from __future__ import annotations
 
 import cutlass.cute as cute
