@@ -145,3 +145,29 @@ def test_split_pick_keeps_every_cta_resident():
         for cap in (1, 255, 256, 257, 5000, 1 << 20):
             n = pick_splits(ctas, cap, 132)
             assert n >= 1 and (n == 1 or ctas * n <= 132)
+
+
+def test_benchmark_baseline_computes_the_same_step():
+    """perf/bench_decode_attn.py's torch route (masked SDPA over the static cache) is the
+    same contract: checked here on the CPU against the float64 reference, cache writes
+    included, so its timings compare like with like."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "perf" / "bench_decode_attn.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_attn", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    g = torch.Generator().manual_seed(4)
+    b, s, dt = 3, 40, torch.bfloat16
+    qkv = torch.randn(b, (bench.HQ + 2 * bench.HKV) * HEAD_DIM, generator=g).to(dt)
+    kc = torch.randn(b, bench.HKV, s, HEAD_DIM, generator=g).to(dt)
+    vc = torch.randn(b, bench.HKV, s, HEAD_DIM, generator=g).to(dt)
+    qn = (1 + 0.2 * torch.randn(HEAD_DIM, generator=g)).to(dt)
+    kn = (1 + 0.2 * torch.randn(HEAD_DIM, generator=g)).to(dt)
+    lens = torch.tensor([0, 17, s - 1], dtype=torch.int32)
+    ref, k_new, v_new = decode_attention_reference(qkv, kc.clone(), vc.clone(), lens, qn, kn)
+    y = bench.torch_step(qkv, kc, vc, lens, qn, kn, rope_table(s))
+    assert (y.double() - ref).abs().max() < 2e-2
+    for i, p in enumerate(lens.tolist()):
+        assert (kc[i, :, p].double() - k_new[i]).abs().max() < 3e-2
+        assert torch.equal(vc[i, :, p], v_new[i].to(dt))

@@ -143,7 +143,8 @@ def test_sass_fingerprints(exported, arch):
 
 def test_decode_attn_reads_the_cache_in_16_byte_vectors(exported):
     """Each lane's K and V rows are one 16-byte load per position (a 2-byte load per element
-    came out of a column-major register layout once)."""
+    came out of a column-major register layout once); the splits exchange single-copy-atomic
+    8-byte words."""
     import re
     out, manifest = exported
     seen = 0
@@ -154,6 +155,11 @@ def test_decode_attn_reads_the_cache_in_16_byte_vectors(exported):
         wide = len(re.findall(r"LDG\.E\.128", sass))
         assert wide >= 2 * dict(e["config"])["unroll"], (e["prefix"], wide)
         assert not re.search(r"LDG\.E\.(U16|S16)", sass), e["prefix"]
+        # the splits' exchange: tagged 8-byte words, strong gpu-scope loads and stores, no
+        # fence (the tag vouches for the value)
+        assert re.search(r"STG\.E\.64\.STRONG\.GPU", sass), e["prefix"]
+        assert re.search(r"LDG\.E\.64\.STRONG\.GPU", sass), e["prefix"]
+        assert "MEMBAR" not in sass, e["prefix"]
         seen += 1
     assert seen >= 2
 
