@@ -124,8 +124,9 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
     lens (int32, on the device) is not read by the host (no sync; CUDA-graph capturable): a
     row whose length is outside the caches (or the RoPE table) gets NaN outputs and its
-    caches are left alone. lens is not advanced: the caller adds 1 after the step. Rows and
-    heads are independent and summed in a fixed order (bitwise deterministic).
+    caches are left alone. lens is not advanced: the caller adds 1 after the step. Sums run
+    in a fixed order: bitwise deterministic for a given launch shape (the split count below
+    follows the batch and head counts, so a row's bits can differ between batch sizes).
 
     Launches with fewer CTAs (row x KV head x pair of q heads) than SMs split each one's
     positions over up to 16 CTAs (one per 256 cache positions at most); split 0 waits for
