@@ -17,7 +17,7 @@ import torch
 
 from ._checks import check_rows16
 from .abi import ATTN_RES_WORK_WORDS
-from .runtime import _raw_stream
+from .runtime import stream_scratch
 
 MAX_SLOTS = 8
 HIDDEN_TIERS = (8192, 16384)  # compiled variants: on-chip row buffers sized for the tier
@@ -206,14 +206,7 @@ def _oneshot_work(device):
     per (device, stream), since launches on one stream never overlap, the kernels leave the
     counters zero and the records' sequence numbers stay consistent whatever the M of each
     call; a fresh one while a CUDA graph is being captured (the capture then owns it)."""
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(ATTN_RES_WORK_WORDS, dtype=torch.int32, device=device)
-    key = (device.index, _raw_stream(device))
-    w = _ONESHOT_WORK.get(key)
-    if w is None:
-        w = _ONESHOT_WORK[key] = torch.zeros(ATTN_RES_WORK_WORDS, dtype=torch.int32,
-                                             device=device)
-    return w
+    return stream_scratch(_ONESHOT_WORK, device, ATTN_RES_WORK_WORDS)
 
 
 def prepare_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, out, *,

@@ -15,7 +15,7 @@ import math
 import torch
 
 from ._checks import check_rows16
-from .runtime import _raw_stream
+from .runtime import _raw_stream, stream_scratch
 
 HEAD_DIM = 128
 DTYPES = (torch.float16, torch.bfloat16)
@@ -161,20 +161,6 @@ def pick_splits(ctas: int, capacity: int, sms: int) -> int:
 _XCH: dict = {}
 
 
-def _xch_buffer(device, words: int) -> torch.Tensor:
-    """The split exchange words (int32 pairs, zero between launches: split 0 clears what it
-    read): one buffer per (device, stream), grown as needed, since launches on a stream never
-    overlap; a fresh one while a CUDA graph is being captured (the capture owns it)."""
-    words = max(words, 2)
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(words, dtype=torch.int32, device=device)
-    key = (device.index, _raw_stream(device))
-    buf = _XCH.get(key)
-    if buf is None or buf.numel() < words:
-        buf = _XCH[key] = torch.zeros(words, dtype=torch.int32, device=device)
-    return buf
-
-
 def _decode_attn_impl(qkv, k_cache, v_cache, lens, q_norm, k_norm, rope, out, eps,
                       check=False):
     from .arch import sm_count
@@ -186,7 +172,9 @@ def _decode_attn_impl(qkv, k_cache, v_cache, lens, q_norm, k_norm, rope, out, ep
     group = out.shape[1] // HEAD_DIM // hkv
     ctas = bsz * hkv * -(-group // 2)
     splits = pick_splits(ctas, min(k_cache.shape[2], rope.shape[0]), sm_count(qkv.device))
-    xch = _xch_buffer(qkv.device, ctas * (splits - 1) * 2 * (HEAD_DIM + 2) * 2)
+    # the splits' exchange words (int32 pairs, zero between launches: split 0 clears them)
+    words = ctas * (splits - 1) * 2 * (HEAD_DIM + 2) * 2
+    xch = stream_scratch(_XCH, qkv.device, max(2, words))
     fn = get_function("decode_attn", {"dtype": _DT_NAME[qkv.dtype]}, {}, qkv.device,
                       design="ada")
     fn(qkv, k_cache, v_cache, lens, q_norm, k_norm, rope, out, eps, xch, splits,

@@ -192,6 +192,21 @@ def _raw_stream(device) -> int:
                                        else c._cuda_getDevice())
 
 
+def stream_scratch(store: dict, device, numel: int):
+    """int32 zeros for a kernel that leaves its scratch words as it found them (zero
+    counters, cleared exchange words): one buffer per (device, stream) in ``store``, grown to
+    ``numel``, since launches on one stream never overlap; a fresh one while a CUDA graph is
+    being captured (the capture then owns it)."""
+    import torch
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(numel, dtype=torch.int32, device=device)
+    key = (device.index, _raw_stream(device))
+    buf = store.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = store[key] = torch.zeros(numel, dtype=torch.int32, device=device)
+    return buf
+
+
 class _Layout:
     """Where one launch's arguments sit in a flat byte buffer, in ABI order: every slot
     8-byte aligned, tensors as their ctypes struct lays them out, then the int32 return

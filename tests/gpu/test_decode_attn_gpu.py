@@ -70,6 +70,7 @@ class Case:
         p_max = self.rope.shape[0]
         lens = self.lens.tolist()
         for b, p in enumerate(lens):
+            keep = torch.ones(s, dtype=torch.bool, device="cuda")     # positions not written
             if 0 <= p < min(s, p_max):
                 o, r = out[b].double(), ref[b]
                 assert not o.isnan().any(), f"row {b}: NaN"
@@ -78,11 +79,9 @@ class Case:
                 kd = self.kc[b, :, p].double()
                 assert ((kd - k_new[b]).abs() / (1 + k_new[b].abs())).max() < TOL[self.dtype] / 2
                 assert torch.equal(self.vc[b, :, p], v_new[b].to(self.dtype))
-                keep = torch.ones(s, dtype=torch.bool, device="cuda")
                 keep[p] = False
             else:
                 assert out[b].isnan().all(), f"row {b} (len {p} outside the cache): not NaN"
-                keep = torch.ones(s, dtype=torch.bool, device="cuda")
             assert torch.equal(self.kc[b][:, keep], self.kc0[b][:, keep]), f"row {b}: k cache"
             assert torch.equal(self.vc[b][:, keep], self.vc0[b][:, keep]), f"row {b}: v cache"
 
