@@ -146,16 +146,22 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 SPLIT_MIN_POSITIONS = 256   # cache positions per split at least (a split's fixed cost)
 MAX_SPLITS = 16
-SPLITS_OVERRIDE = None      # tests: force the split count (still bounded by one CTA per SM)
+# CTAs of the kernel one SM is sure to hold at once: 128 threads, ~10 KB of shared memory and
+# at most 160 registers a thread (tests/test_export.py checks every build's SASS; 98..126
+# now) fit 3 times in any SM's 64K registers, 1536 threads and 99 KB
+RESIDENT_PER_SM = 3
+SPLITS_OVERRIDE = None      # tests: force the split count (still bounded by residency)
 
 
 def pick_splits(ctas: int, capacity: int, sms: int) -> int:
-    """CTAs over each (row, KV head, head pair)'s positions: enough to put a CTA on every SM
-    when the launch has fewer, at most one per SM in all (split 0 waits for the others, so
-    every CTA must be resident) and one per SPLIT_MIN_POSITIONS of the cache's capacity."""
+    """CTAs over each (row, KV head, head pair)'s positions: enough to fill every SM with
+    RESIDENT_PER_SM CTAs when the launch has fewer, never more than all SMs hold at once
+    (split 0 waits for the others, so every CTA must be resident) and one per
+    SPLIT_MIN_POSITIONS of the cache's capacity at most."""
+    resident = sms * RESIDENT_PER_SM
     if SPLITS_OVERRIDE is not None:
-        return max(1, min(SPLITS_OVERRIDE, sms // max(ctas, 1)))
-    return max(1, min(sms // max(ctas, 1), -(-capacity // SPLIT_MIN_POSITIONS), MAX_SPLITS))
+        return max(1, min(SPLITS_OVERRIDE, resident // max(ctas, 1)))
+    return max(1, min(resident // max(ctas, 1), -(-capacity // SPLIT_MIN_POSITIONS), MAX_SPLITS))
 
 
 _XCH: dict = {}

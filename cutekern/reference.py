@@ -649,6 +649,22 @@ def qwen3_forward(params, cfg: Qwen3Config, tokens, cache=None, acc_dtype=torch.
     return x @ params["embed"].to(acc).t(), new_cache
 
 
+def qwen3_quantized(params, group=128,
+                    linears=("q", "k", "v", "o", "gate", "up", "down")):
+    """W4A16 params for ``cutekern.qwen3.prepare_qwen3_decoder``: every layer linear as its
+    GPTQ pair (``w4a16_quantize``), plus per layer the float64 weights they stand for, for
+    ``qwen3_forward(..., weight=lambda i, name, w: dense[i][name])``."""
+    qp, dense = dict(params, layers=[]), []
+    for p in params["layers"]:
+        lay, deq = dict(p), {}
+        for n in linears:
+            qw, sc = w4a16_quantize(p[n], group)
+            lay[n], deq[n] = (qw, sc), w4a16_dequantize(qw, sc, group)
+        qp["layers"].append(lay)
+        dense.append(deq)
+    return qp, dense
+
+
 def decode_weight_bytes(cfg: Qwen3Config, *, quant_layers, quant_head, group=128, act_bytes=2):
     """Weight bytes one decode token streams (the spec's roofline): every layer's linears
     and norms, the final norm, one embedding row and the (tied) LM head; W4A16 = half a byte

@@ -135,16 +135,18 @@ def test_kernel_config_fits():
 
 
 def test_split_pick_keeps_every_cta_resident():
-    from cutekern.decode import MAX_SPLITS, SPLIT_MIN_POSITIONS, pick_splits
+    from cutekern.decode import MAX_SPLITS, RESIDENT_PER_SM, SPLIT_MIN_POSITIONS, pick_splits
+    assert RESIDENT_PER_SM == 3
     assert pick_splits(8, 4096, 132) == MAX_SPLITS            # B = 1, Qwen3: 8 CTAs
-    assert pick_splits(64, 4096, 132) == 2
-    assert pick_splits(128, 4096, 132) == 1
+    assert pick_splits(64, 4096, 132) == 6
+    assert pick_splits(128, 4096, 132) == 3
+    assert pick_splits(400, 4096, 132) == 1
     assert pick_splits(8, 77, 132) == 1                       # a short cache: one split
     assert pick_splits(8, 3 * SPLIT_MIN_POSITIONS, 132) == 3
-    for ctas in range(1, 300):
+    for ctas in range(1, 700):
         for cap in (1, 255, 256, 257, 5000, 1 << 20):
             n = pick_splits(ctas, cap, 132)
-            assert n >= 1 and (n == 1 or ctas * n <= 132)
+            assert n >= 1 and (n == 1 or ctas * n <= 132 * RESIDENT_PER_SM)
 
 
 def test_benchmark_baseline_computes_the_same_step():
