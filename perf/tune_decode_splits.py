@@ -25,11 +25,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--explore", type=int, default=4,
+                    help="CTAs an SM holds of the build under test (4: the default build's)")
     args = ap.parse_args()
     dt, sms = torch.bfloat16, sm_count(torch.device("cuda"))
     pick_resident = dec.RESIDENT_PER_SM
-    # the sm_90a build's 104 registers a thread fit 4 CTAs an SM: explore up to that
-    explore = max(pick_resident, 4)
+    # the default sm_90a build's 104 registers a thread fit 4 CTAs an SM: explore up to that
+    explore = args.explore
     g = torch.Generator(device="cuda").manual_seed(0)
     qn = torch.ones(D, device="cuda", dtype=dt)
     rows = []
