@@ -19,12 +19,13 @@ the stored (rounded) k.
   per head for the `unroll` positions (exp2 with the scale folded into q).
 - The half-warps' (max, sum, 128 partial outputs) meet in shared memory, summed in a fixed
   order (deterministic, no atomics); out is rounded once.
-- Splits (grid z, the host's pick: launches with fewer CTAs than SMs): split z takes
+- Splits (grid z, the host's pick: launches with fewer CTAs than 3 per SM): split z takes
   positions [p z / n, p (z + 1) / n); splits 1.. publish their (max, sum, partial outputs)
   per head as 8-byte words (tag | fp32 bits, one relaxed store: the tag vouches for the
   value), split 0 polls them, sums them in split order and clears them for the next launch.
   Split 0 waits for the others, so every CTA of the launch must be resident (the host keeps
-  the launch within one CTA per SM).
+  the launch within cutekern.decode.RESIDENT_PER_SM = 3 CTAs per SM, which the register
+  count allows: tests/test_export.py).
 - A row whose lens[b] is outside the cache (or the RoPE table) writes NaN to its outputs and
   leaves the cache alone (the host cannot check device-resident lengths without a sync).
 """
