@@ -406,3 +406,22 @@ def decode_attn_abi(dtype: str) -> tuple:
         ScalarArg("splits", "int32"),
         StreamArg(),
     )
+
+
+def add_rms_norm_abi(dtype: str) -> tuple:
+    """ABI of a decode step's residual add + RMSNorm (hidden D a multiple of 8):
+
+      x    (B, D)  float32  the residual stream; x += y in place
+      y    (B, D)  dtype    what the last launch adds to it
+      w    (D,)    float32  the RMSNorm weight
+      out  (B, D)  dtype    x * rsqrt(mean(x^2) + eps) * w, rounded once
+      eps          float32
+    """
+    return (
+        TensorArg("x", "float32", 2, align=4),
+        TensorArg("y", dtype, 2, align=8),
+        TensorArg("w", "float32", 1, align=4),
+        TensorArg("out", dtype, 2, align=8),
+        ScalarArg("eps", "float32"),
+        StreamArg(),
+    )

@@ -203,3 +203,75 @@ def _decode_attn_op(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def _(qkv, k_cache, v_cache, lens, q_norm, k_norm, rope, eps):
     hq = qkv.shape[1] // HEAD_DIM - 2 * k_cache.shape[1]
     return qkv.new_empty(qkv.shape[0], hq * HEAD_DIM)
+
+
+# ------------------------------------------------------------- residual add + RMSNorm
+_NORM_OP = "add_rms_norm"
+
+
+def _norm_err(name, msg):
+    return ValueError(f"{_NORM_OP}: argument '{name}' {msg}")
+
+
+def _check_norm(residual, y, weight, out, eps):
+    for name, t in (("residual", residual), ("y", y), ("weight", weight), ("out", out)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_NORM_OP}: argument '{name}' must be a torch.Tensor, "
+                            f"got {type(t).__name__}")
+    if residual.dtype != torch.float32 or residual.dim() != 2:
+        raise _norm_err("residual", f"must be a 2-D float32 tensor [B, D], got "
+                                    f"{residual.dtype} {tuple(residual.shape)}")
+    bsz, d = residual.shape
+    if d % 8 or d == 0:
+        raise _norm_err("residual", f"must have a hidden size D that is a positive multiple of "
+                                    f"8, got {d}")
+    if y.dtype not in DTYPES:
+        raise _norm_err("y", f"must be float16 or bfloat16, got {y.dtype}")
+    for name, t, dt, shape in (("y", y, y.dtype, (bsz, d)), ("out", out, y.dtype, (bsz, d)),
+                               ("weight", weight, torch.float32, (d,))):
+        if tuple(t.shape) != shape or t.dtype != dt:
+            raise _norm_err(name, f"must be {list(shape)} {dt}, got {tuple(t.shape)} {t.dtype}")
+        if t.device != residual.device:
+            raise _norm_err(name, f"must be on residual's device {residual.device}, got "
+                                  f"{t.device}")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise _norm_err("eps", f"must be a positive finite float, got {eps!r}")
+    for name, t in (("residual", residual), ("y", y), ("weight", weight), ("out", out)):
+        check_rows16(_norm_err, name, t, "hidden")
+    if not residual.is_cuda:    # last: every other check also runs on CPU tensors
+        raise _norm_err("residual", f"must be on a CUDA device, got {residual.device}")
+
+
+def add_rms_norm(residual: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                 out: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
+    """The decoder's glue in one launch: residual += y (fp32 [B, D], in place), then
+    out = residual * rsqrt(mean(residual^2) + eps) * weight (fp32 weight [D]) rounded once to
+    y's dtype (fp16 / bf16; out [B, D]). D a multiple of 8. Returns out. Sums in a fixed order
+    (bitwise deterministic, a row's result independent of the batch)."""
+    _check_norm(residual, y, weight, out, eps)
+    if torch.compiler.is_compiling():
+        _add_rms_norm_op(residual, y, weight, out, float(eps))
+        return out
+    _add_rms_norm_impl(residual, y, weight, out, float(eps))
+    return out
+
+
+def _add_rms_norm_impl(residual, y, weight, out, eps, check=False):
+    from .dispatch import get_function
+    if residual.shape[0] == 0:
+        return
+    fn = get_function("add_rms_norm", {"dtype": _DT_NAME[y.dtype]}, {}, residual.device,
+                      design="ada")
+    fn(residual, y, weight, out, eps, stream=_raw_stream(residual.device), check=check)
+
+
+@torch.library.custom_op("cutekern::add_rms_norm", mutates_args=("residual", "out"))
+def _add_rms_norm_op(residual: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                     out: torch.Tensor, eps: float) -> None:
+    _check_norm(residual, y, weight, out, eps)
+    _add_rms_norm_impl(residual, y, weight, out, eps, check=True)
+
+
+@_add_rms_norm_op.register_fake
+def _(residual, y, weight, out, eps):
+    return None

@@ -1,23 +1,23 @@
 """Qwen3 W4A16 decode steps in launches: the megakernel's route before it is one kernel
 (kernels/CONTRACT_MEGAKERNEL.md) and the baseline it has to beat.
 
-A step takes one new token per row and returns its logits. Per layer: RMSNorm (torch), the
-fused q / k / v projection (``w4a16_linear``), attention with q / k norm, RoPE and the cache
-append (``decode_attention``), the o projection (``w4a16_linear``), RMSNorm, the MLP block in
-one launch (``w4a16_mlp``); then the final norm and the 16-bit tied LM head (cuBLAS). The
-residual stream stays fp32; each linear's input is rounded once to the model dtype. Every
-buffer is allocated at prepare time and the row lengths live on the device, so a step never
-syncs the host and ``capture()`` records it as one CUDA graph (5 launches of ours per layer
-plus torch's norms and adds).
+A step takes one new token per row and returns its logits. Per layer: residual add + RMSNorm
+(``add_rms_norm``), the fused q / k / v projection (``w4a16_linear``), attention with q / k
+norm, RoPE and the cache append (``decode_attention``), the o projection (``w4a16_linear``),
+residual add + RMSNorm, the MLP block in one launch (``w4a16_mlp``); then the last add + the
+final norm and the 16-bit tied LM head (cuBLAS). The residual stream stays fp32; each
+linear's input is rounded once to the model dtype. Every buffer is allocated at prepare time
+and the row lengths live on the device, so a step never syncs the host and ``capture()``
+records it as one CUDA graph (6 launches of ours per layer; the embedding gather, the LM head
+and the lens update are torch's).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from .decode import HEAD_DIM, decode_attention, rope_table
+from .decode import HEAD_DIM, add_rms_norm, decode_attention, rope_table
 from .reference import Qwen3Config, w4a16_quantize
 from .w4a16 import W4A16MLP, W4A16Weight, prepare_w4a16, prepare_w4a16_mlp, w4a16_linear, \
     w4a16_mlp
@@ -114,18 +114,18 @@ class Qwen3Decoder:
 
     def _forward(self):
         cfg, eps = self.cfg, self.cfg.eps
-        x, h, d = self._x, self._h, cfg.hidden
-        torch.index_select(self.embed, 0, self.tokens, out=h)
-        x.copy_(h)
+        x, h, y = self._x, self._h, self._y
+        torch.index_select(self.embed, 0, self.tokens, out=y)
+        x.zero_()
         for i, L in enumerate(self.layers):
-            h.copy_(F.rms_norm(x, (d,), L.input_norm, eps))
+            add_rms_norm(x, y, L.input_norm, h, eps=eps)     # x += embedding / last MLP
             w4a16_linear(h, L.qkv, out=self._qkv)
             decode_attention(self._qkv, self.k_cache[i], self.v_cache[i], self.lens, L.q_norm,
                              L.k_norm, self.rope, eps=eps, out=self._a)
-            x.add_(w4a16_linear(self._a, L.o, out=self._y))
-            h.copy_(F.rms_norm(x, (d,), L.post_norm, eps))
-            x.add_(w4a16_mlp(h, L.mlp, out=self._y, h=self._f))
-        h.copy_(F.rms_norm(x, (d,), self.final_norm, eps))
+            w4a16_linear(self._a, L.o, out=y)
+            add_rms_norm(x, y, L.post_norm, h, eps=eps)      # x += attention
+            w4a16_mlp(h, L.mlp, out=y, h=self._f)
+        add_rms_norm(x, y, self.final_norm, h, eps=eps)
         torch.matmul(h, self.embed.t(), out=self.logits)
         self.lens.add_(1)
 

@@ -273,6 +273,17 @@ OPS: dict = {
         make=lambda k, dt, fl, cfg: k(dt["dtype"], cfg),
         doc="decode attention with q / k RMSNorm and RoPE, KV cache append (head_dim 128)",
     ),
+    "add_rms_norm": OpSpec(
+        name="add_rms_norm",
+        abi=_abi.add_rms_norm_abi,
+        # the decoder's glue between launches (the megakernel's norm tasks as a launch)
+        designs={"ada": DesignImpl("kernels.ada.add_rms_norm", "AddRmsNormAda",
+                                   "AddRmsNormAdaConfig")},
+        extra_arches=(("ada", ("sm_100a", "sm_103a")),),
+        variants=tuple(((("dtype", dt),), ()) for dt in ("float16", "bfloat16")),
+        make=lambda k, dt, fl, cfg: k(dt["dtype"], cfg),
+        doc="residual add + RMSNorm of decode: x += y (fp32), out = rmsnorm(x) * w",
+    ),
 }
 
 

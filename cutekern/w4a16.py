@@ -378,7 +378,7 @@ def w4a16_mlp(x: torch.Tensor, mlp: W4A16MLP, out: torch.Tensor | None = None,
     new tensor). Every CTA of the launch waits for every other's h, so the grid is at most
     what the device holds at once (as with a cooperative launch, a kernel that holds SMs for
     good, e.g. another persistent one on a second stream, could keep some CTAs from ever
-    starting); each CTA's first down tile is fetched into L2 at its entry."""
+    starting); each CTA's first down tile is fetched into L2 before it waits."""
     if not isinstance(mlp, W4A16MLP):
         raise TypeError(f"w4a16_mlp: argument 'mlp' must be a W4A16MLP (prepare_w4a16_mlp), "
                         f"got {type(mlp).__name__}")

@@ -43,12 +43,12 @@ def test_registry_covers_every_arch():
     keys = all_keys(("sm_80", "sm_89", "sm_90a", "sm_100a", "sm_103a"), with_config=False)
     designs = {(k.arch, k.design) for k in keys}
     # SM100 also builds the Ada design of the ops without an sm100 design (KDA, W4A16 GEMM,
-    # MLP block, decode attention)
+    # MLP block, decode attention, add + RMSNorm)
     assert designs == {("sm_80", "ada"), ("sm_89", "ada"), ("sm_90a", "sm90"), ("sm_90a", "ada"),
                        ("sm_100a", "sm100"), ("sm_103a", "sm100"), ("sm_100a", "ada"),
                        ("sm_103a", "ada")}
     assert {k.op for k in keys if k.arch == "sm_100a" and k.design == "ada"} == {
-        "kda_chain", "kda_intra", "w4a16_gemm", "w4a16_mlp", "decode_attn"}
+        "kda_chain", "kda_intra", "w4a16_gemm", "w4a16_mlp", "decode_attn", "add_rms_norm"}
     want = sum(len(op.variants_for(design)) for arch in {a for a, _ in designs}
                for op in OPS.values() for design in op.designs_on(arch))
     assert len(keys) == want and len(keys) >= 6 * len(OPS["lce_gemm"].variants)

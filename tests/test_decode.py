@@ -173,3 +173,36 @@ def test_benchmark_baseline_computes_the_same_step():
     for i, p in enumerate(lens.tolist()):
         assert (kc[i, :, p].double() - k_new[i]).abs().max() < 3e-2
         assert torch.equal(vc[i, :, p], v_new[i].to(dt))
+
+
+def test_add_rms_norm_names_the_bad_argument():
+    from cutekern.decode import add_rms_norm
+    bf = torch.bfloat16
+    x, y = torch.zeros(3, 64), torch.zeros(3, 64, dtype=bf)
+    w, out = torch.ones(64), torch.empty(3, 64, dtype=bf)
+    cases = [
+        (dict(residual=x.double()), "'residual'"),
+        (dict(residual=torch.zeros(3, 60), y=torch.zeros(3, 60, dtype=bf),
+              weight=torch.ones(60), out=torch.empty(3, 60, dtype=bf)), "'residual'.*multiple of 8"),
+        (dict(y=y.float()), "'y'"),
+        (dict(y=torch.zeros(2, 64, dtype=bf)), "'y'"),
+        (dict(out=out.half()), "'out'"),
+        (dict(out=torch.empty(3, 72, dtype=bf)[:, :64]), None),      # strided rows: fine
+        (dict(weight=w.to(bf)), "'weight'"),
+        (dict(weight=torch.ones(65)[1:]), "'weight'.*16-byte"),
+        (dict(out=torch.empty(3, 68, dtype=bf)[:, :64]), "'out'.*multiple of 8"),
+        (dict(eps=0.0), "'eps'"),
+        (dict(), "CUDA device"),
+    ]
+    for change, match in cases:
+        args = dict(residual=x, y=y, weight=w, out=out, eps=1e-6) | change
+        if match is None:
+            with pytest.raises(ValueError, match="CUDA device"):
+                add_rms_norm(args.pop("residual"), args.pop("y"), args.pop("weight"),
+                             args.pop("out"), **args)
+            continue
+        with pytest.raises((ValueError, TypeError), match=match):
+            add_rms_norm(args.pop("residual"), args.pop("y"), args.pop("weight"),
+                         args.pop("out"), **args)
+    with pytest.raises(TypeError, match="'y'"):
+        add_rms_norm(x, None, w, out)

@@ -66,6 +66,9 @@ OP_FINGERPRINTS = {
     # fixed-order combine (no atomics), no local memory
     ("decode_attn", "ada"): ({"LDG", "SHFL", "MUFU", "FFMA"},
                              ATOMICS | {"HGMMA", "UTCHMMA", "UTMALDG", "LDL", "STL"}),
+    # residual add + RMSNorm: 16-byte loads and stores, butterfly + shared-memory sum, rsqrt
+    ("add_rms_norm", "ada"): ({"LDG", "STG", "SHFL", "MUFU", "BAR"},
+                              ATOMICS | {"HGMMA", "UTCHMMA", "UTMALDG", "LDL", "STL"}),
 }
 
 
@@ -164,6 +167,23 @@ def test_decode_attn_reads_the_cache_in_16_byte_vectors(exported):
         # registers: at most 168 a thread, allocation rounding and reserved ones included
         regs = max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) + 1
         assert regs <= 160, (e["prefix"], regs)
+        seen += 1
+    assert seen >= 2
+
+
+def test_add_rms_norm_moves_16_byte_vectors(exported):
+    """x (fp32) and w in two 16-byte pieces per 8 elements, y and out in one: 7 wide loads
+    (x twice: the add, then the norm) and 3 wide stores, nothing narrower touching memory."""
+    import re
+    out, manifest = exported
+    seen = 0
+    for e in manifest["kernels"]:
+        if e["op"] != "add_rms_norm":
+            continue
+        sass = (out / e["object"]).with_suffix(".sass").read_text()
+        assert len(re.findall(r"LDG\.E\.128", sass)) == 7, e["prefix"]
+        assert len(re.findall(r"STG\.E\.128", sass)) == 3, e["prefix"]
+        assert not re.search(r"(LDG|STG)\.E(\.(U16|S16|64))?\s", sass), e["prefix"]
         seen += 1
     assert seen >= 2
 

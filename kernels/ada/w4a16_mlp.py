@@ -21,9 +21,10 @@ activations. Between them every CTA waits for every other CTA's h stores:
   generation by then): the words never need resetting, CUDA-graph replays included.
 - all CTAs must be co-resident (the host sizes the grid from the build's CTAs per SM and the
   device's shared memory), else a waiting CTA could hold the SM a missing one needs.
-- the down-projection codes of a CTA's first phase-2 tile are fetched into L2 at its entry
-  (prefetch.global.L2; config `prefetch_down`), while phase 1 streams its own weights at
-  a fraction of the DRAM rate: the weights stream while the dependency resolves.
+- the down-projection codes of a CTA's first phase-2 tile are fetched into L2 after its own
+  phase 1, before it waits for the others (prefetch.global.L2; config `prefetch_down`: the
+  weights stream while the dependency resolves). At entry instead it ran 2-4% slower on an
+  H100 at 1..16 rows (perf/results/ab_w4a16_mlp_prefetch_h100.json).
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ class W4a16MlpAdaConfig:
     ctas_per_sm: int = 2    # the persistent grid, at most (all co-resident: see the docstring)
     # L2 prefetch of the codes of the CTA's first down tile: "entry" (while phase 1 streams
     # its own weights), "wait" (after phase 1, before the wait) or "none"
-    prefetch_down: str = "entry"
+    prefetch_down: str = "wait"
 
 
 def phase_shapes(config: W4a16MlpAdaConfig, rows16: bool) -> tuple:
