@@ -145,11 +145,11 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 
 SPLIT_MIN_POSITIONS = 256   # cache positions per split at least (a split's fixed cost)
-MAX_SPLITS = 16
-# CTAs of the kernel one SM is sure to hold at once: 128 threads, ~10 KB of shared memory and
-# at most 160 registers a thread (tests/test_export.py checks every build's SASS; 98..126
-# now) fit 3 times in any SM's 64K registers, 1536 threads and 99 KB
-RESIDENT_PER_SM = 3
+MAX_SPLITS = 8              # past ~8 splits split 0's serial polls cost more than they save
+# CTAs of the kernel one SM is sure to hold at once: 256 threads, ~19 KB of shared memory and
+# at most 128 registers a thread (tests/test_export.py checks every build's SASS: 102..124
+# used now) fit twice in any SM's 64K registers, 1536 threads and 99 KB
+RESIDENT_PER_SM = 2
 SPLITS_OVERRIDE = None      # tests: force the split count (still bounded by residency)
 
 

@@ -136,11 +136,12 @@ def test_kernel_config_fits():
 
 def test_split_pick_keeps_every_cta_resident():
     from cutekern.decode import MAX_SPLITS, RESIDENT_PER_SM, SPLIT_MIN_POSITIONS, pick_splits
-    assert RESIDENT_PER_SM == 3
+    assert RESIDENT_PER_SM == 2 and MAX_SPLITS == 8
     assert pick_splits(8, 4096, 132) == MAX_SPLITS            # B = 1, Qwen3: 8 CTAs
-    assert pick_splits(64, 4096, 132) == 6
-    assert pick_splits(128, 4096, 132) == 3
-    assert pick_splits(400, 4096, 132) == 1
+    assert pick_splits(32, 4096, 132) == 8
+    assert pick_splits(64, 4096, 132) == 4
+    assert pick_splits(128, 4096, 132) == 2
+    assert pick_splits(200, 4096, 132) == 1
     assert pick_splits(8, 77, 132) == 1                       # a short cache: one split
     assert pick_splits(8, 3 * SPLIT_MIN_POSITIONS, 132) == 3
     for ctas in range(1, 700):

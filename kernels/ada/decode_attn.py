@@ -19,13 +19,13 @@ the stored (rounded) k.
   per head for the `unroll` positions (exp2 with the scale folded into q).
 - The half-warps' (max, sum, 128 partial outputs) meet in shared memory, summed in a fixed
   order (deterministic, no atomics); out is rounded once.
-- Splits (grid z, the host's pick: launches with fewer CTAs than 3 per SM): split z takes
+- Splits (grid z, the host's pick: launches with fewer CTAs than 2 per SM): split z takes
   positions [p z / n, p (z + 1) / n); splits 1.. publish their (max, sum, partial outputs)
   per head as 8-byte words (tag | fp32 bits, one relaxed store: the tag vouches for the
   value), split 0 polls them, sums them in split order and clears them for the next launch.
   Split 0 waits for the others, so every CTA of the launch must be resident (the host keeps
-  the launch within cutekern.decode.RESIDENT_PER_SM = 3 CTAs per SM, which the register
-  count allows: tests/test_export.py).
+  the launch within cutekern.decode.RESIDENT_PER_SM = 2 CTAs of 8 warps per SM, which the
+  register count allows: tests/test_export.py).
 - A row whose lens[b] is outside the cache (or the RoPE table) writes NaN to its outputs and
   leaves the cache alone (the host cannot check device-resident lengths without a sync).
 """
@@ -59,7 +59,9 @@ _DTYPES = (cutlass.Float16, cutlass.BFloat16)
 
 @dataclass(frozen=True)
 class DecodeAttnAdaConfig:
-    warps: int = 4      # 8 half-warps share a CTA's positions
+    # 16 half-warps share a CTA's positions: 5-20% faster than 4 warps at 1..16 rows on an
+    # H100 (perf/results/decode_splits_h100*.json), 2 CTAs an SM
+    warps: int = 8
     unroll: int = 4     # positions per half-warp per step: 2 x unroll 16-byte loads in flight
 
 
