@@ -207,3 +207,11 @@ def test_add_rms_norm_names_the_bad_argument():
                          args.pop("out"), **args)
     with pytest.raises(TypeError, match="'y'"):
         add_rms_norm(x, None, w, out)
+
+
+def test_add_rms_norm_fake_implementation():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x, w = torch.empty(3, 64), torch.empty(64)
+        y, out = torch.empty(3, 64, dtype=torch.bfloat16), torch.empty(3, 64, dtype=torch.bfloat16)
+        assert torch.ops.cutekern.add_rms_norm(x, y, w, out, 1e-6) is None
