@@ -129,9 +129,10 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     follows the batch and head counts, so a row's bits can differ between batch sizes).
 
     Launches with fewer CTAs (row x KV head x pair of q heads) than RESIDENT_PER_SM per SM
-    split each one's positions over up to 16 CTAs (one per 256 cache positions at most); split 0 waits for
-    the others' partials, exchanged through a per-stream buffer, so as with a cooperative
-    launch another kernel holding SMs for good on a second stream could stall it."""
+    split each one's positions over up to MAX_SPLITS CTAs (one per 256 cache positions at
+    most); split 0 waits for the others' partials, exchanged through a per-stream buffer,
+    so as with a cooperative launch another kernel holding SMs for good on a second stream
+    could stall it."""
     bsz, hq, _ = _check(qkv, k_cache, v_cache, lens, q_norm_weight, k_norm_weight, rope, eps,
                         out)
     if out is None and torch.compiler.is_compiling():

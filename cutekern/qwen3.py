@@ -113,7 +113,7 @@ class Qwen3Decoder:
         self.lens.copy_(lens.to(torch.int32))
 
     def _forward(self):
-        cfg, eps = self.cfg, self.cfg.eps
+        eps = self.cfg.eps
         x, h, y = self._x, self._h, self._y
         torch.index_select(self.embed, 0, self.tokens, out=y)
         x.zero_()
@@ -172,8 +172,9 @@ def prepare_qwen3_decoder(params: dict, cfg: Qwen3Config, *, batch: int, max_len
     embeddings) -> a W4A16 decoder for ``batch`` rows of up to ``max_len`` tokens. A linear
     given as a dense tensor is quantized here (symmetric, group ``group``, round to nearest);
     one given as a GPTQ (qweight int32 [in / 8, out], scales [in / group, out]) pair is used
-    as it is. The model dtype is the embedding's (fp16 or bf16); norms and the LM head stay
-    in it. Head dim 128 (``decode_attention``)."""
+    as it is. The model dtype is the embedding's (fp16 or bf16): activations, q / k norm
+    weights and the LM head are in it; the residual and the other norm weights are fp32
+    (the same values). Head dim 128 (``decode_attention``)."""
     if not isinstance(cfg, Qwen3Config):
         raise TypeError(f"{_OP}: argument 'cfg' must be a Qwen3Config, got {type(cfg).__name__}")
     if cfg.head_dim != HEAD_DIM or cfg.q_heads % cfg.kv_heads:
