@@ -23,17 +23,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import measured_ceilings, time_ms, write_results  # noqa: E402
+from common import capture_graph, measured_ceilings, time_ms, write_results  # noqa: E402
 
 from bench_decode_attn import torch_step  # noqa: E402  (16 q / 8 KV heads: Qwen3-1.7B's)
 from cutekern.decode import HEAD_DIM, rope_table  # noqa: E402
-from cutekern.qwen3 import prepare_qwen3_decoder  # noqa: E402
+from cutekern.qwen3 import LINEARS, prepare_qwen3_decoder  # noqa: E402
 from cutekern.reference import (Qwen3Config, decode_weight_bytes, w4a16_dequantize,  # noqa: E402
                                 w4a16_quantize)
 
 BATCHES = (1, 4, 8, 16)
 CONTEXTS = (64, 1024)
-NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def random_model(cfg, dt, seed=0):
@@ -49,7 +48,7 @@ def random_model(cfg, dt, seed=0):
     for _ in range(cfg.layers):
         lq, ld = dict(input_norm=norm(d), post_norm=norm(d), q_norm=norm(HEAD_DIM),
                       k_norm=norm(HEAD_DIM)), {}
-        for n in NAMES:
+        for n in LINEARS:
             o, i = shapes[n]
             w = (torch.randn(o, i, device="cuda", generator=g) / math.sqrt(i)).to(dt)
             qw, sc = w4a16_quantize(w, 128)
@@ -98,18 +97,6 @@ class TorchDecoder:
         self.lens.add_(1)
 
 
-def graphed(forward):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        forward()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        forward()
-    return g
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="perf/results")
@@ -147,8 +134,8 @@ def main():
             l0 = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
             ours.lens.copy_(l0)
             ref.lens.copy_(l0)
-            g_ours = graphed(ours._forward)
-            g_ref = graphed(ref.forward)
+            g_ours = capture_graph(ours._forward)
+            g_ref = capture_graph(ref.forward)
             ours.lens.copy_(l0)
             ref.lens.copy_(l0)
             g_ours.replay()

@@ -49,16 +49,23 @@ def time_ms(fn, reps=20, warmup=3) -> float:
     return statistics.median(times)
 
 
-def time_graph_ms(fn, reps=20) -> float:
-    """Median device time of one CUDA-graph replay of fn() (host launch cost removed)."""
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn() recorded as a CUDA graph, after one warm-up run outside the capture (lazy loads,
+    allocator)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fn()  # warm-up outside capture (lazy loads, allocator)
+        fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    return g
+
+
+def time_graph_ms(fn, reps=20) -> float:
+    """Median device time of one CUDA-graph replay of fn() (host launch cost removed)."""
+    g = capture_graph(fn)
     t = time_ms(g.replay, reps=reps)
     del g
     return t

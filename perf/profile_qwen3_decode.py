@@ -16,8 +16,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_qwen3_decode import graphed, random_model  # noqa: E402
-from common import git_commit, time_ms  # noqa: E402
+from bench_qwen3_decode import random_model  # noqa: E402
+from common import capture_graph, git_commit, time_ms  # noqa: E402
 
 from cutekern.qwen3 import prepare_qwen3_decoder  # noqa: E402
 from cutekern.reference import Qwen3Config  # noqa: E402
@@ -64,7 +64,7 @@ def main():
         rows = sorted(((k, n / args.steps, us / args.steps) for k, (n, us) in per.items()),
                       key=lambda r: -r[2])
         total = sum(r[2] for r in rows)
-        g = graphed(dec._forward)
+        g = capture_graph(dec._forward)
         t_graph = time_ms(lambda: (dec.lens.copy_(l0), g.replay()), reps=10) * 1e3
         print(f"batch {b}, context {args.context}: kernels {total:.0f} us per step, graph "
               f"replay {t_graph:.0f} us", flush=True)

@@ -144,17 +144,20 @@ def test_sass_fingerprints(exported, arch):
         assert set(e["sass"]["required_found"]) >= set(e["sass"]["required"])
 
 
+def _op_sass(exported, op):
+    """(manifest entry, disassembly) of every exported variant of ``op``."""
+    out, manifest = exported
+    return [(e, (out / e["object"]).with_suffix(".sass").read_text())
+            for e in manifest["kernels"] if e["op"] == op]
+
+
 def test_decode_attn_reads_the_cache_in_16_byte_vectors(exported):
     """Each lane's K and V rows are one 16-byte load per position (a 2-byte load per element
     came out of a column-major register layout once); the splits exchange single-copy-atomic
     8-byte words."""
     import re
-    out, manifest = exported
-    seen = 0
-    for e in manifest["kernels"]:
-        if e["op"] != "decode_attn":
-            continue
-        sass = (out / e["object"]).with_suffix(".sass").read_text()
+    variants = _op_sass(exported, "decode_attn")
+    for e, sass in variants:
         wide = len(re.findall(r"LDG\.E\.128", sass))
         assert wide >= 2 * dict(e["config"])["unroll"], (e["prefix"], wide)
         assert not re.search(r"LDG\.E\.(U16|S16)", sass), e["prefix"]
@@ -167,25 +170,19 @@ def test_decode_attn_reads_the_cache_in_16_byte_vectors(exported):
         # registers: at most 128 a thread (2 reserved and the rounding to 8 included)
         regs = max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) + 1
         assert 32 * dict(e["config"])["warps"] == 256 and regs + 2 <= 128, (e["prefix"], regs)
-        seen += 1
-    assert seen >= 2
+    assert len(variants) >= 2
 
 
 def test_add_rms_norm_moves_16_byte_vectors(exported):
     """x (fp32) and w in two 16-byte pieces per 8 elements, y and out in one: 7 wide loads
     (x twice: the add, then the norm) and 3 wide stores, nothing narrower touching memory."""
     import re
-    out, manifest = exported
-    seen = 0
-    for e in manifest["kernels"]:
-        if e["op"] != "add_rms_norm":
-            continue
-        sass = (out / e["object"]).with_suffix(".sass").read_text()
+    variants = _op_sass(exported, "add_rms_norm")
+    for e, sass in variants:
         assert len(re.findall(r"LDG\.E\.128", sass)) == 7, e["prefix"]
         assert len(re.findall(r"STG\.E\.128", sass)) == 3, e["prefix"]
         assert not re.search(r"(LDG|STG)\.E(\.(U16|S16|64))?\s", sass), e["prefix"]
-        seen += 1
-    assert seen >= 2
+    assert len(variants) >= 2
 
 
 def test_kda_intra_code_fits_the_instruction_cache(exported):
@@ -193,13 +190,9 @@ def test_kda_intra_code_fits_the_instruction_cache(exported):
     code (21k SASS instructions) spent a third of its time on instruction fetch (ncu on the
     H200); looped, every variant is ~7.5k (perf/NOTES.md, 24th session)."""
     import re
-    out, manifest = exported
-    sizes = {}
-    for e in manifest["kernels"]:
-        if e["op"] != "kda_intra":
-            continue
-        sass = (out / e["object"]).with_suffix(".sass").read_text()
-        sizes[e["prefix"]] = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[A-Z@]", sass))
+    _, manifest = exported
+    sizes = {e["prefix"]: len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[A-Z@]", sass))
+             for e, sass in _op_sass(exported, "kda_intra")}
     assert sizes and len(sizes) == sum(e["op"] == "kda_intra" for e in manifest["kernels"])
     big = {k: v for k, v in sizes.items() if not 1000 < v <= 9000}
     assert not big, f"kda_intra variants outside 1k..9k SASS instructions: {big}"
@@ -290,12 +283,8 @@ def test_bgmv_ada_small_batches_in_one_launch(exported):
     exchange the shrink's segment partials as 8-byte relaxed gpu-scope words (no atomics, no
     fences: the SASS fingerprints above forbid ATOM / RED); the sm90 plan kernel has none
     (its small batches keep the PDL-overlapped pair kernels)."""
-    out, manifest = exported
     seen = set()
-    for e in manifest["kernels"]:
-        if e["op"] != "bgmv_binplan":
-            continue
-        sass = (out / e["object"]).with_suffix(".sass").read_text()
+    for e, sass in _op_sass(exported, "bgmv_binplan"):
         has = "pair_kernel" in sass
         assert has == (e["design"] == "ada"), f"{e['prefix']}: pair_kernel {'present' if has else 'missing'}"
         if has:

@@ -33,7 +33,7 @@ def _attention(qkv, kc, vc, lens, qn, kn, rope, *, eps, out):
 
 
 def _mlp(x, mlp, out, h):
-    gu = _dense(q3.W4A16Weight(mlp.packed_gu, mlp.scales_gu, mlp.k, 2 * mlp.f, mlp.down.group))
+    gu = w4a16_fragments_dense(mlp.packed_gu, mlp.scales_gu, mlp.down.group)     # [2F, K]
     y = x.double() @ gu.t()                       # 16-column blocks of gate, then of up
     y = y.view(*y.shape[:-1], mlp.f // 16, 2, 16)
     h.copy_((F.silu(y[..., 0, :]) * y[..., 1, :]).reshape(*x.shape[:-1], mlp.f).to(h.dtype))
