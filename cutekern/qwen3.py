@@ -5,7 +5,8 @@ A step takes one new token per row and returns its logits. Per layer: residual a
 (``add_rms_norm``), the fused q / k / v projection (``w4a16_linear``), attention with q / k
 norm, RoPE and the cache append (``decode_attention``), the o projection (``w4a16_linear``),
 residual add + RMSNorm, the MLP block in one launch (``w4a16_mlp``); then the last add + the
-final norm and the 16-bit tied LM head (cuBLAS). The residual stream stays fp32; each
+final norm and the LM head: 16-bit through cuBLAS, or W4A16 (``w4a16_linear``) with
+``quantize_head=True`` (a third of the bytes at Qwen3-1.7B's 151936 rows). The residual stream stays fp32; each
 linear's input is rounded once to the model dtype. Every buffer is allocated at prepare time
 and the row lengths live on the device, so a step never syncs the host and ``capture()``
 records it as one CUDA graph (6 launches of ours per layer; the embedding gather, the LM head
@@ -37,21 +38,21 @@ class _Layer:
     mlp: W4A16MLP
 
 
-def _gptq(entry, name, layer, group, dtype, device):
+def _gptq(entry, where, group, dtype, device):
     """A linear's GPTQ storage: given as (qweight, scales), or quantized here (round to
     nearest) from a dense [out, in] weight."""
     if isinstance(entry, tuple):
         if len(entry) != 2:
-            raise ValueError(f"{_OP}: argument 'params' layer {layer} '{name}' must be a dense "
+            raise ValueError(f"{_OP}: argument 'params' {where} must be a dense "
                              f"weight or a (qweight, scales) pair")
         qw, sc = entry
     elif isinstance(entry, torch.Tensor):
         qw, sc = w4a16_quantize(entry.to(device=device, dtype=dtype), group)
     else:
-        raise TypeError(f"{_OP}: argument 'params' layer {layer} '{name}' must be a tensor or "
+        raise TypeError(f"{_OP}: argument 'params' {where} must be a tensor or "
                         f"a (qweight, scales) pair, got {type(entry).__name__}")
     if sc.dtype != dtype:
-        raise ValueError(f"{_OP}: argument 'params' layer {layer} '{name}' scales must be "
+        raise ValueError(f"{_OP}: argument 'params' {where} scales must be "
                          f"{dtype} (the model dtype), got {sc.dtype}")
     return qw.to(device), sc.to(device)
 
@@ -68,8 +69,9 @@ class Qwen3Decoder:
     """Prepared W4A16 weights, KV caches [B, Hkv, max_len, 128] per layer, device-resident
     row lengths and the step's buffers (see ``prepare_qwen3_decoder``)."""
 
-    def __init__(self, cfg, layers, embed, final_norm, batch, max_len, device):
+    def __init__(self, cfg, layers, embed, head, final_norm, batch, max_len, device):
         self.cfg, self.layers, self.embed, self.final_norm = cfg, layers, embed, final_norm
+        self.head = head             # 16-bit [vocab, hidden] (the embedding when tied) or W4A16
         self.batch, self.max_len, self.device = batch, max_len, device
         dt, d, hkv = embed.dtype, cfg.hidden, cfg.kv_heads
         self.dtype = dt
@@ -93,8 +95,8 @@ class Qwen3Decoder:
         if not isinstance(batch, int) or batch < 1 or not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"Qwen3Decoder.resized: arguments 'batch' >= 1 and 'max_len' >= 2 "
                              f"must be ints, got {batch!r}, {max_len!r}")
-        return Qwen3Decoder(self.cfg, self.layers, self.embed, self.final_norm, batch, max_len,
-                            self.device)
+        return Qwen3Decoder(self.cfg, self.layers, self.embed, self.head, self.final_norm, batch,
+                            max_len, self.device)
 
     def reset(self, lens: torch.Tensor | None = None):
         """Rows start at ``lens`` cached tokens (int, on any device; default 0): the caches'
@@ -126,7 +128,10 @@ class Qwen3Decoder:
             add_rms_norm(x, y, L.post_norm, h, eps=eps)      # x += attention
             w4a16_mlp(h, L.mlp, out=y, h=self._f)
         add_rms_norm(x, y, self.final_norm, h, eps=eps)
-        torch.matmul(h, self.embed.t(), out=self.logits)
+        if isinstance(self.head, W4A16Weight):
+            w4a16_linear(h, self.head, out=self.logits)
+        else:
+            torch.matmul(h, self.head.t(), out=self.logits)
         self.lens.add_(1)
 
     def step(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -167,14 +172,17 @@ class Qwen3Decoder:
 
 
 def prepare_qwen3_decoder(params: dict, cfg: Qwen3Config, *, batch: int, max_len: int,
-                          group: int = 128, device=None) -> Qwen3Decoder:
+                          group: int = 128, quantize_head: bool = False,
+                          device=None) -> Qwen3Decoder:
     """Qwen3 weights (``reference.qwen3_params``'s layout: nn.Linear [out, in], tied
     embeddings) -> a W4A16 decoder for ``batch`` rows of up to ``max_len`` tokens. A linear
     given as a dense tensor is quantized here (symmetric, group ``group``, round to nearest);
     one given as a GPTQ (qweight int32 [in / 8, out], scales [in / group, out]) pair is used
     as it is. The model dtype is the embedding's (fp16 or bf16): activations, q / k norm
     weights and the LM head are in it; the residual and the other norm weights are fp32
-    (the same values). Head dim 128 (``decode_attention``)."""
+    (the same values). Head dim 128 (``decode_attention``). The LM head is params' 'lm_head'
+    when given (untied), else the embedding; ``quantize_head``: run it in W4A16 (quantized
+    here unless given as a GPTQ pair; vocab a multiple of 16), else in the model dtype."""
     if not isinstance(cfg, Qwen3Config):
         raise TypeError(f"{_OP}: argument 'cfg' must be a Qwen3Config, got {type(cfg).__name__}")
     if cfg.head_dim != HEAD_DIM or cfg.q_heads % cfg.kv_heads:
@@ -203,7 +211,7 @@ def prepare_qwen3_decoder(params: dict, cfg: Qwen3Config, *, batch: int, max_len
                    if n not in p]
         if missing:
             raise ValueError(f"{_OP}: argument 'params' layer {i} lacks {missing}")
-        q = {n: _gptq(p[n], n, i, group, dt, dev) for n in LINEARS}
+        q = {n: _gptq(p[n], f"layer {i} '{n}'", group, dt, dev) for n in LINEARS}
         # rows of q, k, v stacked: GPTQ keeps outputs as columns and groups run along the
         # input, so stacking the storage equals quantizing the stacked weight
         qkv = prepare_w4a16(torch.cat([q[n][0] for n in "qkv"], 1),
@@ -225,4 +233,31 @@ def prepare_qwen3_decoder(params: dict, cfg: Qwen3Config, *, batch: int, max_len
             _vec(p["post_norm"], d, f"layer {i} post_norm", torch.float32, dev),
             prepare_w4a16_mlp(gate, up, down)))
     final_norm = _vec(params.get("final_norm"), d, "final_norm", torch.float32, dev)
-    return Qwen3Decoder(cfg, layers, embed.to(dev).contiguous(), final_norm, batch, max_len, dev)
+    embed = embed.to(dev).contiguous()
+    head = _head(params.get("lm_head"), embed, cfg, group, quantize_head, dev)
+    return Qwen3Decoder(cfg, layers, embed, head, final_norm, batch, max_len, dev)
+
+
+def _head(entry, embed, cfg, group, quantize, dev):
+    """The LM head as the step runs it: W4A16 storage, or the 16-bit [vocab, hidden] weight."""
+    dt = embed.dtype
+    if entry is None:
+        entry = embed                                                       # tied
+    elif isinstance(entry, torch.Tensor) and (tuple(entry.shape) != (cfg.vocab, cfg.hidden)
+                                              or entry.dtype != dt):
+        raise ValueError(f"{_OP}: argument 'params' lm_head must be [vocab, hidden] = "
+                         f"[{cfg.vocab}, {cfg.hidden}] in {dt} (the embedding's dtype), got "
+                         f"{entry.dtype} {tuple(entry.shape)}")
+    if not quantize:
+        if not isinstance(entry, torch.Tensor):
+            raise ValueError(f"{_OP}: argument 'params' lm_head is a GPTQ pair: pass "
+                             f"quantize_head=True to run it in W4A16")
+        return entry.to(dev).contiguous()
+    if cfg.vocab % 16:
+        raise ValueError(f"{_OP}: argument 'quantize_head' needs cfg.vocab a multiple of 16 "
+                         f"(the W4A16 GEMM's column tile), got {cfg.vocab}")
+    head = prepare_w4a16(*_gptq(entry, "'lm_head'", group, dt, dev), group)
+    if (head.k, head.n) != (cfg.hidden, cfg.vocab):
+        raise ValueError(f"{_OP}: argument 'params' lm_head must map hidden {cfg.hidden} to "
+                         f"vocab {cfg.vocab}, got [{head.n}, {head.k}]")
+    return head

@@ -610,12 +610,13 @@ def decode_attention_reference(qkv, k_cache, v_cache, lens, q_norm, k_norm, eps=
 
 
 def qwen3_forward(params, cfg: Qwen3Config, tokens, cache=None, acc_dtype=torch.float64,
-                  weight=None):
+                  weight=None, head=None):
     """Qwen3 decoder over new tokens [B, T] after the cached ones: prefill (no cache) and
     decode steps (T = 1 with the cache) are the same function. ``cache``: per layer (k, v)
     [B, H_kv, S, D] in ``acc_dtype`` (post-norm, post-RoPE keys), extended and returned.
     ``weight(layer, name, w)``: the weight a linear uses (default w itself; e.g. a W4A16
-    dequantization). Returns (logits [B, T, vocab], cache) in ``acc_dtype``."""
+    dequantization). ``head``: the LM head [vocab, hidden] (default params' 'lm_head', else
+    the tied embedding). Returns (logits [B, T, vocab], cache) in ``acc_dtype``."""
     acc = acc_dtype
     wt = weight or (lambda i, name, w: w)
     bsz, t = tokens.shape
@@ -646,15 +647,21 @@ def qwen3_forward(params, cfg: Qwen3Config, tokens, cache=None, acc_dtype=torch.
         hcur = _rms(x, p["post_norm"], cfg.eps)
         x = x + lin("down", torch.nn.functional.silu(lin("gate", hcur)) * lin("up", hcur))
     x = _rms(x, params["final_norm"], cfg.eps)
-    return x @ params["embed"].to(acc).t(), new_cache
+    if head is None:
+        head = params.get("lm_head", params["embed"])
+    return x @ head.to(acc).t(), new_cache
 
 
 def qwen3_quantized(params, group=128,
-                    linears=("q", "k", "v", "o", "gate", "up", "down")):
+                    linears=("q", "k", "v", "o", "gate", "up", "down"), head=False):
     """W4A16 params for ``cutekern.qwen3.prepare_qwen3_decoder``: every layer linear as its
     GPTQ pair (``w4a16_quantize``), plus per layer the float64 weights they stand for, for
-    ``qwen3_forward(..., weight=lambda i, name, w: dense[i][name])``."""
+    ``qwen3_forward(..., weight=lambda i, name, w: dense[i][name])``. ``head``: also the LM
+    head (params' 'lm_head', else the tied embedding) as params' 'lm_head' pair (for
+    ``quantize_head=True``); its float64 weight is ``w4a16_dequantize(*qp['lm_head'], group)``."""
     qp, dense = dict(params, layers=[]), []
+    if head:
+        qp["lm_head"] = w4a16_quantize(params.get("lm_head", params["embed"]), group)
     for p in params["layers"]:
         lay, deq = dict(p), {}
         for n in linears:

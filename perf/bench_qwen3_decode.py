@@ -1,7 +1,7 @@
 """Whole decode steps of Qwen3-1.7B (28 layers, tied 151936-row head; random weights in the
 real layout): cutekern's W4A16 decoder in launches (cutekern.qwen3: w4a16_linear,
-decode_attention, w4a16_mlp per layer, torch norms, bf16 cuBLAS head) against what a torch
-user runs for the same model: the dequantized weights in bf16, F.linear, the static-cache
+decode_attention, w4a16_mlp per layer, add_rms_norm; the tied head in bf16 through cuBLAS,
+and again with ``quantize_head=True``: the head in W4A16 too) against what a torch user runs for the same model: the dequantized weights in bf16, F.linear, the static-cache
 attention of perf/bench_decode_attn.py (masked SDPA), the same fp32 residual. Both routes
 are one CUDA graph per step (as serving engines run decode), replayed with the rows'
 lengths reset first (one tiny copy in both). Batches 1 / 4 / 8 / 16 at 64 and 1024 cached
@@ -10,7 +10,8 @@ tokens (the spec's 64 in / 12 out, and a long context).
 Reported per case: ms per step, tokens/s, the ratio, the bytes a step must stream (weights
 as each route stores them, the rows' K / V, the logits) as GB/s and fraction of the measured
 copy ceiling, and the max |logit difference| between the routes relative to the largest
-logit (the same quantized model, so only rounding differs)."""
+logit (the same quantized model, so only rounding differs). The W4A16 head changes the model,
+so its logits are checked instead against its own input times the dequantized head (fp32)."""
 from __future__ import annotations
 
 import argparse
@@ -115,40 +116,54 @@ def main():
     print("model ready", flush=True)
     w4_bytes = decode_weight_bytes(cfg, quant_layers=True, quant_head=False)
     bf16_bytes = decode_weight_bytes(cfg, quant_layers=False, quant_head=False)
+    wq_bytes = decode_weight_bytes(cfg, quant_layers=True, quant_head=True)
     base = prepare_qwen3_decoder(params, cfg, batch=1, max_len=2)
+    qhead = w4a16_quantize(params["embed"], 128)
+    base_q = prepare_qwen3_decoder(dict(params, lm_head=qhead), cfg, batch=1, max_len=2,
+                                   quantize_head=True)
+    deq_head = w4a16_dequantize(*qhead, 128, dtype=torch.float32)          # [vocab, hidden]
+    del qhead
     cases = []
     for ctx in CONTEXTS:
         for b in batches:
             max_len = ctx + 2
             ours = base.resized(b, max_len)
+            ours_q = base_q.resized(b, max_len)
             ref = TorchDecoder(cfg, dense, params["embed"], params["final_norm"], b, max_len)
             g = torch.Generator(device="cuda").manual_seed(ctx + b)
             for i in range(cfg.layers):        # the same cached rows in both
                 for kc in (ours.k_cache[i], ours.v_cache[i]):
                     kc.normal_(generator=g)
-                ref.k_cache[i].copy_(ours.k_cache[i])
-                ref.v_cache[i].copy_(ours.v_cache[i])
+                for r in (ref, ours_q):
+                    r.k_cache[i].copy_(ours.k_cache[i])
+                    r.v_cache[i].copy_(ours.v_cache[i])
             tok = torch.randint(0, cfg.vocab, (b,), device="cuda", generator=g)
-            ours.tokens.copy_(tok)
-            ref.tokens.copy_(tok)
             l0 = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-            ours.lens.copy_(l0)
-            ref.lens.copy_(l0)
+            for r in (ours, ref, ours_q):
+                r.tokens.copy_(tok)
+                r.lens.copy_(l0)
             g_ours = capture_graph(ours._forward)
             g_ref = capture_graph(ref.forward)
-            ours.lens.copy_(l0)
-            ref.lens.copy_(l0)
-            g_ours.replay()
-            g_ref.replay()
+            g_q = capture_graph(ours_q._forward)
+            for r, gr in ((ours, g_ours), (ref, g_ref), (ours_q, g_q)):
+                r.lens.copy_(l0)
+                if r.logits is not None:             # the torch route's is the graph's own
+                    r.logits.fill_(float("nan"))
+                gr.replay()
             torch.cuda.synchronize()
             a, r = ours.logits.double(), ref.logits.double()
             rel = ((a - r).abs().max() / r.abs().max()).item()
             nan = bool(torch.isnan(a).any())
+            want_q = (ours_q._h.float() @ deq_head.t()).double()
+            rel_q = ((ours_q.logits.double() - want_q).abs().max() / want_q.abs().max()).item()
+            nan = nan or bool(torch.isnan(ours_q.logits).any())
             t_ours = time_ms(lambda: (ours.lens.copy_(l0), g_ours.replay()), reps=args.reps)
             t_ref = time_ms(lambda: (ref.lens.copy_(l0), g_ref.replay()), reps=args.reps)
+            t_q = time_ms(lambda: (ours_q.lens.copy_(l0), g_q.replay()), reps=args.reps)
             kv = 2 * cfg.layers * b * cfg.kv_heads * (ctx + 1) * HEAD_DIM * 2
             logit_bytes = b * cfg.vocab * 2
             by_ours, by_ref = w4_bytes + kv + logit_bytes, bf16_bytes + kv + logit_bytes
+            by_q = wq_bytes + kv + logit_bytes
             case = dict(batch=b, context=ctx, layers=cfg.layers, dtype="bfloat16",
                         ck_graph_ms=t_ours, torch_bf16_graph_ms=t_ref,
                         ratio_vs_torch_bf16=t_ref / t_ours, ck_tokens_per_s=b / t_ours * 1e3,
@@ -157,13 +172,23 @@ def main():
                         torch_gbps=by_ref / t_ref / 1e6,
                         ck_frac_copy_ceiling=by_ours / t_ours / 1e6 / ceil["copy_gbps"],
                         ck_floor_ms=by_ours / ceil["copy_gbps"] / 1e6,
-                        max_rel_logit_diff=rel, ck_nan=nan)
+                        max_rel_logit_diff=rel, ck_nan=nan,
+                        ck_w4head_graph_ms=t_q, ratio_w4head_vs_torch_bf16=t_ref / t_q,
+                        ck_w4head_tokens_per_s=b / t_q * 1e3, ck_w4head_bytes=by_q,
+                        ck_w4head_gbps=by_q / t_q / 1e6,
+                        ck_w4head_frac_copy_ceiling=by_q / t_q / 1e6 / ceil["copy_gbps"],
+                        ck_w4head_floor_ms=by_q / ceil["copy_gbps"] / 1e6,
+                        w4head_max_rel_logit_err=rel_q)
             cases.append(case)
             print(f"ctx {ctx:5d} b {b:3d}: ck {t_ours:7.3f} ms  torch bf16 {t_ref:7.3f} ms "
                   f"({case['ratio_vs_torch_bf16']:.2f}x)  ck {case['ck_gbps']:6.0f} GB/s "
                   f"({case['ck_frac_copy_ceiling']:.0%} of copy; floor "
-                  f"{case['ck_floor_ms']:.3f} ms)  logit diff {rel:.2e} nan {nan}", flush=True)
-            del g_ours, g_ref, ours, ref
+                  f"{case['ck_floor_ms']:.3f} ms)  logit diff {rel:.2e} nan {nan}\n"
+                  f"{'':17s}w4 head {t_q:7.3f} ms ({t_ref / t_q:.2f}x torch)  "
+                  f"{case['ck_w4head_gbps']:6.0f} GB/s "
+                  f"({case['ck_w4head_frac_copy_ceiling']:.0%} of copy; floor "
+                  f"{case['ck_w4head_floor_ms']:.3f} ms)  head err {rel_q:.2e}", flush=True)
+            del g_ours, g_ref, g_q, ours, ref, ours_q
             torch.cuda.empty_cache()
     path = write_results("qwen3_decode", cases, args.out, extra={"ceilings": ceil,
                                                                  "model": "Qwen3-1.7B dims"})

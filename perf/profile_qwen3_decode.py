@@ -2,7 +2,8 @@
 over a few eager steps, GPU kernel time per step grouped by kernel (ours by op, torch's by
 name), next to the CUDA-graph replay time of the same step (the difference is what the
 graph still pays between kernels). Usage: CUTEKERN_ARTIFACTS=DIR python3
-perf/profile_qwen3_decode.py [--batch 1 16] [--context 1024] [--out DIR]"""
+perf/profile_qwen3_decode.py [--batch 1 16] [--context 1024] [--quantize-head] [--out DIR]
+(with --quantize-head the head's launch counts with the W4A16 GEMMs)"""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,8 @@ from common import capture_graph, git_commit, time_ms  # noqa: E402
 from cutekern.qwen3 import prepare_qwen3_decoder  # noqa: E402
 from cutekern.reference import Qwen3Config  # noqa: E402
 
-OURS = (("w4a16_mlp", "W4a16Mlp"), ("w4a16_gemm", "W4a16Gemm"), ("decode_attn", "DecodeAttn"))
+OURS = (("w4a16_mlp", "W4a16Mlp"), ("w4a16_gemm", "W4a16Gemm"), ("decode_attn", "DecodeAttn"),
+        ("add_rms_norm", "AddRmsNorm"))
 
 
 def group(name: str) -> str:
@@ -37,13 +39,15 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--quantize-head", action="store_true", help="the head in W4A16 too")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = Qwen3Config()
     params, _ = random_model(cfg, torch.bfloat16)
-    base = prepare_qwen3_decoder(params, cfg, batch=1, max_len=2)
+    base = prepare_qwen3_decoder(params, cfg, batch=1, max_len=2,
+                                 quantize_head=args.quantize_head)
     report = dict(device=torch.cuda.get_device_name(), git_commit=git_commit(),
-                  context=args.context, cases=[])
+                  context=args.context, quantize_head=args.quantize_head, cases=[])
     for b in args.batch:
         dec = base.resized(b, args.context + args.steps + 2)
         l0 = torch.full((b,), args.context, dtype=torch.int32, device="cuda")
@@ -75,7 +79,8 @@ def main():
         del g, dec
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "qwen3_decode_profile.json").write_text(json.dumps(report, indent=1))
+        name = "qwen3_decode_profile" + ("_w4head" if args.quantize_head else "") + ".json"
+        (Path(args.out) / name).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -2,13 +2,16 @@
 stacking, norms, residual, cache append, lens advance, ragged rows) checked against
 reference.qwen3_forward in float64 with the three launches replaced by emulations of their
 contracts (rounding where the kernels round); the GPU test runs the kernels themselves."""
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import cutekern.qwen3 as q3
 from cutekern.reference import (Qwen3Config, decode_attention_reference, qwen3_forward,
-                                qwen3_params, qwen3_quantized, w4a16_fragments_dense)
+                                qwen3_params, qwen3_quantized, w4a16_dequantize,
+                                w4a16_fragments_dense)
 
 CFG = Qwen3Config(hidden=256, layers=2, q_heads=4, kv_heads=2, intermediate=384, vocab=211)
 
@@ -99,6 +102,32 @@ def test_decode_steps_match_the_float64_model(emulated, dtype):
                                                                           b.mlp.scales_gu)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantized_head(emulated, dtype):
+    """quantize_head=True runs the tied head through w4a16_linear: the float64 model with the
+    dequantized head matches it, the 16-bit head's model does not match as closely."""
+    cfg = replace(CFG, vocab=224)                     # a multiple of the GEMM's 16 columns
+    params = qwen3_params(cfg, seed=6, dtype=dtype)
+    qp, dq = qwen3_quantized(params, head=True)
+    head = w4a16_dequantize(*qp["lm_head"], 128)
+    dec = q3.prepare_qwen3_decoder(qp, cfg, batch=2, max_len=8, quantize_head=True)
+    assert dec.head.n == cfg.vocab and dec.head.k == cfg.hidden
+    seqs = torch.tensor([[3, 17, 200], [223, 0, 5]])
+    for t in range(3):
+        got = dec.step(seqs[:, t])
+    for b in range(2):
+        want, _ = qwen3_forward(params, cfg, seqs[b][None],
+                                weight=lambda i, n, w: dq[i][n], head=head)
+        dense, _ = qwen3_forward(params, cfg, seqs[b][None], weight=lambda i, n, w: dq[i][n])
+        err = _close(got[b], want[0, -1], 1e-2)
+        assert (got[b].double() - dense[0, -1]).abs().max().item() > 2 * err
+    # a dense tied embedding quantizes here to the same storage
+    again = q3.prepare_qwen3_decoder(params, cfg, batch=1, max_len=8, quantize_head=True)
+    assert torch.equal(again.head.packed, dec.head.packed)
+    tied = q3.prepare_qwen3_decoder(params, cfg, batch=1, max_len=8)
+    assert tied.head is tied.embed
+
+
 def test_wiring_mistakes_are_caught(emulated, monkeypatch):
     """The comparison above can fail: a decoder that skips the residual of the MLP does."""
     params = qwen3_params(CFG, seed=5)
@@ -135,6 +164,14 @@ def test_prepare_names_the_bad_argument():
     with pytest.raises(ValueError, match="'params'"):
         q3.prepare_qwen3_decoder(dict(params, embed=params["embed"][:5]), CFG, batch=1,
                                  max_len=8)
+    with pytest.raises(ValueError, match="'quantize_head'"):
+        q3.prepare_qwen3_decoder(params, CFG, batch=1, max_len=8, quantize_head=True)  # 211
+    with pytest.raises(ValueError, match="lm_head"):
+        q3.prepare_qwen3_decoder(dict(params, lm_head=params["embed"][:, :8]), CFG, batch=1,
+                                 max_len=8)
+    qp, _ = qwen3_quantized(qwen3_params(replace(CFG, vocab=224), seed=1), head=True)
+    with pytest.raises(ValueError, match="quantize_head=True"):
+        q3.prepare_qwen3_decoder(qp, replace(CFG, vocab=224), batch=1, max_len=8)
     dec = q3.prepare_qwen3_decoder(params, CFG, batch=2, max_len=8)
     with pytest.raises(ValueError, match="'lens'"):
         dec.reset(torch.tensor([0, 8]))

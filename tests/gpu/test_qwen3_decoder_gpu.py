@@ -6,6 +6,8 @@ tokens, rows at their own ragged positions (prefilled caches from the float64 mo
 positions past each row's length and the logits poisoned with NaN, batches past the GEMM's
 16-row slices, Qwen3-1.7B's layer dims, CUDA-graph replay bitwise equal to eager steps, a
 hypothesis fuzz over batch, lengths and dtype."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,7 +15,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import cutekern.qwen3 as q3
 from cutekern.arch import target_arch
-from cutekern.reference import Qwen3Config, qwen3_forward, qwen3_params, qwen3_quantized
+from cutekern.reference import (Qwen3Config, qwen3_forward, qwen3_params, qwen3_quantized,
+                                w4a16_dequantize)
 from cutekern.registry import OPS
 
 pytestmark = pytest.mark.skipif(
@@ -28,19 +31,21 @@ TOL = 2e-2        # max |error| / max |logit|: bf16 activations through 2 layers
 
 
 class Model:
-    def __init__(self, cfg, dtype, seed):
-        self.cfg = cfg
+    def __init__(self, cfg, dtype, seed, quantize_head=False):
+        self.cfg, self.quantize_head = cfg, quantize_head
         self.params = qwen3_params(cfg, seed=seed, dtype=dtype, device="cuda")
-        self.qp, self.dense = qwen3_quantized(self.params)
+        self.qp, self.dense = qwen3_quantized(self.params, head=quantize_head)
+        self.head = w4a16_dequantize(*self.qp["lm_head"], 128) if quantize_head else None
 
     def forward(self, seq):
         """float64 logits [T, vocab] of one row's tokens [T], and its cache."""
         logits, cache = qwen3_forward(self.params, self.cfg, seq[None],
-                                      weight=lambda i, n, w: self.dense[i][n])
+                                      weight=lambda i, n, w: self.dense[i][n], head=self.head)
         return logits[0], cache
 
     def decoder(self, batch, max_len):
-        return q3.prepare_qwen3_decoder(self.qp, self.cfg, batch=batch, max_len=max_len)
+        return q3.prepare_qwen3_decoder(self.qp, self.cfg, batch=batch, max_len=max_len,
+                                        quantize_head=self.quantize_head)
 
 
 def run_and_check(model, dec, prev, steps, seed):
@@ -87,6 +92,22 @@ def test_qwen3_1p7b_layer_dims():
     model = Model(LAYER_1P7B, torch.bfloat16, seed=7)
     dec = model.decoder(4, max_len=80)
     run_and_check(model, dec, (0, 76, 13, 64), steps=3, seed=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantized_head_matches_the_float64_model(dtype):
+    """quantize_head=True: the tied head in W4A16 (w4a16_linear) against the float64 model
+    with the dequantized head; 20 rows (two of the GEMM's 16-row slices)."""
+    model = Model(replace(SMALL, vocab=224), dtype, seed=11, quantize_head=True)
+    dec = model.decoder(20, max_len=24)
+    dec.capture()
+    run_and_check(model, dec, tuple(range(0, 20)), steps=3, seed=5)
+
+
+def test_quantized_head_qwen3_1p7b_layer_dims():
+    model = Model(replace(LAYER_1P7B, vocab=1008), torch.bfloat16, seed=12, quantize_head=True)
+    dec = model.decoder(3, max_len=40)
+    run_and_check(model, dec, (0, 33, 7), steps=3, seed=6)
 
 
 @pytest.mark.parametrize("batch", [1, 5])
