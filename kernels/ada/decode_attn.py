@@ -22,7 +22,8 @@ the stored (rounded) k.
 - Splits (grid z, the host's pick: launches with fewer CTAs than 2 per SM): split z takes
   positions [p z / n, p (z + 1) / n); splits 1.. publish their (max, sum, partial outputs)
   per head as 8-byte words (tag | fp32 bits, one relaxed store: the tag vouches for the
-  value), split 0 polls them, sums them in split order and clears them for the next launch.
+  value), split 0 polls them (a split's words loaded together, the next split's in flight
+  while they are checked), sums them in split order and clears them for the next launch.
   Split 0 waits for the others, so every CTA of the launch must be resident (the host keeps
   the launch within cutekern.decode.RESIDENT_PER_SM = 2 CTAs of 8 warps per SM, which the
   register count allows: tests/test_export.py).
@@ -85,11 +86,17 @@ def _put(word: cute.Pointer, val: Float32):
 
 
 @cute.jit
-def _take(word: cute.Pointer) -> Float32:
-    """Wait for a published word (split 0 only: every split of the launch is resident)."""
-    w = cute.arch.load(word, Int64, sem="relaxed", scope="gpu")
-    while (w >> 32) == 0:
-        w = cute.arch.load(word, Int64, sem="relaxed", scope="gpu")
+def _load4(rec: cute.Pointer, e: Int32):
+    """One split record's words a thread needs (max, sum, its 2 partial outputs), loaded
+    together (split 0 only: it polls them until tagged; every split is resident)."""
+    return (cute.arch.load(rec + HEAD_DIM, Int64, sem="relaxed", scope="gpu"),
+            cute.arch.load(rec + HEAD_DIM + 1, Int64, sem="relaxed", scope="gpu"),
+            cute.arch.load(rec + e, Int64, sem="relaxed", scope="gpu"),
+            cute.arch.load(rec + e + 1, Int64, sem="relaxed", scope="gpu"))
+
+
+@cute.jit
+def _val(w: Int64) -> Float32:
     return bits_f32(Int32(w & Int64(0xFFFFFFFF)))
 
 
@@ -332,19 +339,31 @@ class DecodeAttnAda:
                     _put(rec + D, mx)
                     _put(rec + D + 1, tot)
             else:
-                for zz in cutlass.range(1, splits, unroll=1):
-                    rec = xrec + ((zz - 1) * _HEADS + h) * _REC
-                    mz = _take(rec + D)
-                    tz = _take(rec + D + 1)
-                    p0 = _take(rec + e)
-                    p1 = _take(rec + e + 1)
-                    m2 = cute.arch.fmax(mx, mz)
-                    fa = cute.math.exp2(mx - m2, fastmath=True)
-                    fb = cute.math.exp2(mz - m2, fastmath=True)
-                    tot = tot * fa + tz * fb
-                    o0 = o0 * fa + p0 * fb
-                    o1 = o1 * fa + p1 * fb
-                    mx = m2
+                # a split's 4 words are loaded together and the next split's are in flight
+                # while this one's are checked: one L2 round trip a split at most, not four
+                if splits > 1:
+                    rec = xrec + h * _REC
+                    nm, nt, n0, n1 = _load4(rec, e)
+                    for zz in cutlass.range(1, splits, unroll=1):
+                        wm, wt, w0, w1 = nm, nt, n0, n1
+                        rec = xrec + ((zz - 1) * _HEADS + h) * _REC
+                        # the last split reloads its own words (unused)
+                        nxt = xrec + ((cutlass.min(zz, splits - 2)) * _HEADS + h) * _REC
+                        nm, nt, n0, n1 = _load4(nxt, e)
+                        while ((wm >> 32) == 0) | ((wt >> 32) == 0) | ((w0 >> 32) == 0) \
+                                | ((w1 >> 32) == 0):
+                            wm, wt, w0, w1 = _load4(rec, e)
+                        mz = _val(wm)
+                        tz = _val(wt)
+                        p0 = _val(w0)
+                        p1 = _val(w1)
+                        m2 = cute.arch.fmax(mx, mz)
+                        fa = cute.math.exp2(mx - m2, fastmath=True)
+                        fb = cute.math.exp2(mz - m2, fastmath=True)
+                        tot = tot * fa + tz * fb
+                        o0 = o0 * fa + p0 * fb
+                        o1 = o1 * fa + p1 * fb
+                        mx = m2
                 if h < nh:
                     r = cute.arch.rcp_approx(tot)   # tot >= 1: the max position counts 1
                     ov = cute.make_rmem_tensor((2,), Float32)
