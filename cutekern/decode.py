@@ -129,7 +129,7 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     follows the batch and head counts, so a row's bits can differ between batch sizes).
 
     Launches with fewer CTAs (row x KV head x pair of q heads) than RESIDENT_PER_SM per SM
-    split each one's positions over up to MAX_SPLITS CTAs (one per 256 cache positions at
+    split each one's positions over up to MAX_SPLITS CTAs (one per 128 cache positions at
     most); split 0 waits for the others' partials, exchanged through a per-stream buffer,
     so as with a cooperative launch another kernel holding SMs for good on a second stream
     could stall it."""
@@ -145,8 +145,10 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return y
 
 
-SPLIT_MIN_POSITIONS = 256   # cache positions per split at least (a split's fixed cost)
-MAX_SPLITS = 8              # past ~8 splits split 0's serial polls cost more than they save
+# forced split counts on an H100 (perf/results/decode_splits_h100_w8_xch.json): best at 8 / 16
+# splits for 1 row x 1024 / 4096 since split 0 reads a split's partials in one round trip
+SPLIT_MIN_POSITIONS = 128   # cache positions per split at least (a split's fixed cost)
+MAX_SPLITS = 16
 # CTAs of the kernel one SM is sure to hold at once: 256 threads, ~19 KB of shared memory and
 # at most 128 registers a thread (tests/test_export.py checks every build's SASS: 102..124
 # used now) fit twice in any SM's 64K registers, 1536 threads and 99 KB

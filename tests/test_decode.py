@@ -136,8 +136,9 @@ def test_kernel_config_fits():
 
 def test_split_pick_keeps_every_cta_resident():
     from cutekern.decode import MAX_SPLITS, RESIDENT_PER_SM, SPLIT_MIN_POSITIONS, pick_splits
-    assert RESIDENT_PER_SM == 2 and MAX_SPLITS == 8
+    assert RESIDENT_PER_SM == 2 and MAX_SPLITS == 16 and SPLIT_MIN_POSITIONS == 128
     assert pick_splits(8, 4096, 132) == MAX_SPLITS            # B = 1, Qwen3: 8 CTAs
+    assert pick_splits(8, 1025, 132) == 9
     assert pick_splits(32, 4096, 132) == 8
     assert pick_splits(64, 4096, 132) == 4
     assert pick_splits(128, 4096, 132) == 2
