@@ -1,10 +1,11 @@
 """Whole decode steps of Qwen3-1.7B (28 layers, tied 151936-row head; random weights in the
 real layout): cutekern's W4A16 decoder in launches (cutekern.qwen3: w4a16_linear,
 decode_attention, w4a16_mlp per layer, add_rms_norm; the tied head in bf16 through cuBLAS,
-and again with ``quantize_head=True``: the head in W4A16 too) against what a torch user runs for the same model: the dequantized weights in bf16, F.linear, the static-cache
-attention of perf/bench_decode_attn.py (masked SDPA), the same fp32 residual. Both routes
-are one CUDA graph per step (as serving engines run decode), replayed with the rows'
-lengths reset first (one tiny copy in both). Batches 1 / 4 / 8 / 16 at 64 and 1024 cached
+and again with ``quantize_head=True``: the head in W4A16 too) against what a torch user runs
+for the same model: the dequantized weights in bf16, F.linear, the static-cache attention of
+perf/bench_decode_attn.py (masked SDPA), the same fp32 residual. The routes are each one CUDA
+graph per step (as serving engines run decode), replayed with the rows'
+lengths reset first (one tiny copy in each). Batches 1 / 4 / 8 / 16 at 64 and 1024 cached
 tokens (the spec's 64 in / 12 out, and a long context).
 
 Reported per case: ms per step, tokens/s, the ratio, the bytes a step must stream (weights
