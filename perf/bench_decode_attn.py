@@ -58,8 +58,11 @@ def main():
     ap.add_argument("--out", default="perf/results")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--quick", action="store_true", help="5 reps, batches 1 / 16, two contexts")
+    ap.add_argument("--batches", type=int, nargs="+", default=None)
+    ap.add_argument("--contexts", type=int, nargs="+", default=None)
     args = ap.parse_args()
     batches, contexts = (BATCHES, CONTEXTS) if not args.quick else ((1, 16), (76, 1024))
+    batches, contexts = args.batches or batches, args.contexts or contexts
     if args.quick:
         args.reps = 5
     dt = torch.bfloat16
