@@ -43,7 +43,6 @@ from cutlass import Float32, Int32, Int64
 
 from kernels._cvt import widen
 from kernels._xch import bits_f32, f32_bits
-from kernels.ada.w4a16_mlp import prefetch_l2
 
 SMEM_LIMIT_BYTES = 99 * 1024
 HEAD_DIM = 128
@@ -52,7 +51,6 @@ _LOG2_E = 1.4426950408889634
 _NEG = -1.0e30          # finite start of a running max (an empty half-warp must not NaN)
 _REC = HEAD_DIM + 2     # exchange words per head: partial outputs, max, sum
 _FULL = 1 << 32         # an exchange word's tag: (1 << 32) | fp32 bits; 0 = empty
-_PF_POS = 256           # a split's first positions whose K / V lines are prefetched into L2
 
 SASS_REQUIRED = ("LDG", "SHFL", "MUFU")
 SASS_FORBIDDEN = ("HGMMA", "UTCHMMA", "UTMALDG", "ATOM", "ATOMG", "RED", "REDG", "LDL", "STL")
@@ -198,15 +196,6 @@ class DecodeAttnAda:
         NT = 32 * self.cfg.warps
         U = self.cfg.unroll
         dt = self.dtype
-        # ---- the split's first cached K / V rows into L2 while the new token is derived (no
-        # registers held: the loop's loads below then hit L2)
-        lo = (pos * z) // splits
-        hi = (pos * (z + 1)) // splits
-        for i in cutlass.range(tidx, cutlass.min(hi - lo, _PF_POS) * 2, NT, unroll=1):
-            pf = lo + i // 2
-            half = (i % 2) * (D // 2)              # a 256-byte row is two 128-byte lines
-            prefetch_l2(k_cache[b, kvh, pf, None].iterator + half)
-            prefetch_l2(v_cache[b, kvh, pf, None].iterator + half)
         # ---- the new token: warps 0, 1 its q heads, 2 its k (4 channels a lane), 3 its v
         xr = cute.make_rmem_tensor((4,), dt)
         if warp < 3:
@@ -261,6 +250,8 @@ class DecodeAttnAda:
 
         # ---- this split's cached positions lo .. hi - 1: half-warp hw takes lo + hw,
         # lo + hw + NHW, ...; lane j of it channels 8j .. 8j + 7
+        lo = (pos * z) // splits
+        hi = (pos * (z + 1)) // splits
         j = tidx % 16
         hw = tidx // 16
         qf = cute.make_rmem_tensor(_rows(_HEADS), Float32)
