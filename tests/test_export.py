@@ -166,6 +166,11 @@ def test_decode_attn_reads_the_cache_in_16_byte_vectors(exported):
         assert re.search(r"STG\.E\.64\.STRONG\.GPU", sass), e["prefix"]
         assert re.search(r"LDG\.E\.64\.STRONG\.GPU", sass), e["prefix"]
         assert "MEMBAR" not in sass, e["prefix"]
+        # split 0 loads a split's 4 words together (not 4 dependent polls): 4 strong loads
+        # within 8 instructions somewhere
+        ins = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
+        at = [i for i, ln in enumerate(ins) if "LDG.E.64.STRONG.GPU" in ln]
+        assert any(at[k + 3] - at[k] < 8 for k in range(len(at) - 3)), (e["prefix"], at)
         # cutekern.decode.RESIDENT_PER_SM = 2 CTAs of 256 threads share an SM's 64K
         # registers: at most 128 a thread (2 reserved and the rounding to 8 included)
         regs = max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) + 1
