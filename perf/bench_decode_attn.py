@@ -33,6 +33,18 @@ BATCHES = (1, 4, 16, 64)
 CONTEXTS = (76, 1024, 4096)
 
 
+def random_step(b, ctx, g, dt):
+    """One step's inputs at Qwen3-1.7B's heads: qkv [b, (HQ + 2 HKV) 128], K / V caches of
+    ctx + 1 positions filled with random rows, every row at ctx, and an empty out."""
+    s = ctx + 1
+    qkv = torch.randn(b, (HQ + 2 * HKV) * HEAD_DIM, device="cuda", generator=g).to(dt)
+    kc = torch.randn(b, HKV, s, HEAD_DIM, device="cuda", generator=g).to(dt)
+    vc = torch.randn(b, HKV, s, HEAD_DIM, device="cuda", generator=g).to(dt)
+    lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    out = torch.empty(b, HQ * HEAD_DIM, device="cuda", dtype=dt)
+    return qkv, kc, vc, lens, out
+
+
 def torch_step(qkv, kc, vc, lens, qn, kn, rope, eps=1e-6):
     """The eager route: the same contract in torch ops (static cache, masked SDPA)."""
     b = qkv.shape[0]
@@ -76,13 +88,8 @@ def main():
     for ctx in contexts:
         rope = rope_table(ctx + 1, device="cuda")
         for b in batches:
-            s = ctx + 1
-            qkv = torch.randn(b, (HQ + 2 * HKV) * HEAD_DIM, device="cuda", generator=g).to(dt)
-            kc = torch.randn(b, HKV, s, HEAD_DIM, device="cuda", generator=g).to(dt)
-            vc = torch.randn(b, HKV, s, HEAD_DIM, device="cuda", generator=g).to(dt)
-            lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+            qkv, kc, vc, lens, out = random_step(b, ctx, g, dt)
             kc0, vc0 = kc.clone(), vc.clone()
-            out = torch.empty(b, HQ * HEAD_DIM, device="cuda", dtype=dt)
 
             def ours():
                 decode_attention(qkv, kc, vc, lens, qn, kn, rope, out=out)

@@ -15,10 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import git_commit, time_graph_ms  # noqa: E402
 
+from bench_decode_attn import HKV, random_step  # noqa: E402  (Qwen3-1.7B's heads)
 import cutekern.decode as dec  # noqa: E402
 from cutekern.arch import sm_count  # noqa: E402
-
-HQ, HKV, D = 16, 8, dec.HEAD_DIM
 
 
 def main():
@@ -33,16 +32,12 @@ def main():
     # the default sm_90a build's 104 registers a thread fit 4 CTAs an SM: explore up to that
     explore = args.explore
     g = torch.Generator(device="cuda").manual_seed(0)
-    qn = torch.ones(D, device="cuda", dtype=dt)
+    qn = torch.ones(dec.HEAD_DIM, device="cuda", dtype=dt)
     rows = []
     for ctx in (1024, 4096):
         rope = dec.rope_table(ctx + 1, device="cuda")
         for b in (1, 4, 16, 64):
-            qkv = torch.randn(b, (HQ + 2 * HKV) * D, device="cuda", generator=g).to(dt)
-            kc = torch.randn(b, HKV, ctx + 1, D, device="cuda", generator=g).to(dt)
-            vc = torch.randn_like(kc)
-            lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-            out = torch.empty(b, HQ * D, device="cuda", dtype=dt)
+            qkv, kc, vc, lens, out = random_step(b, ctx, g, dt)
             ctas = b * HKV
             dec.SPLITS_OVERRIDE, dec.RESIDENT_PER_SM = None, pick_resident
             pick = dec.pick_splits(ctas, ctx + 1, sms)

@@ -151,6 +151,12 @@ def _op_sass(exported, op):
             for e in manifest["kernels"] if e["op"] == op]
 
 
+def _instructions(sass):
+    """The disassembly's instruction lines (address comment, then an opcode or predicate)."""
+    import re
+    return [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+[A-Z@]", ln)]
+
+
 def test_decode_attn_reads_the_cache_in_16_byte_vectors(exported):
     """Each lane's K and V rows are one 16-byte load per position (a 2-byte load per element
     came out of a column-major register layout once); the splits exchange single-copy-atomic
@@ -168,8 +174,7 @@ def test_decode_attn_reads_the_cache_in_16_byte_vectors(exported):
         assert "MEMBAR" not in sass, e["prefix"]
         # split 0 loads a split's 4 words together (not 4 dependent polls): 4 strong loads
         # within 8 instructions somewhere
-        ins = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
-        at = [i for i, ln in enumerate(ins) if "LDG.E.64.STRONG.GPU" in ln]
+        at = [i for i, ln in enumerate(_instructions(sass)) if "LDG.E.64.STRONG.GPU" in ln]
         assert any(at[k + 3] - at[k] < 8 for k in range(len(at) - 3)), (e["prefix"], at)
         # cutekern.decode.RESIDENT_PER_SM = 2 CTAs of 256 threads share an SM's 64K
         # registers: at most 128 a thread (2 reserved and the rounding to 8 included)
@@ -194,10 +199,8 @@ def test_kda_intra_code_fits_the_instruction_cache(exported):
     """The KDA intra kernel's K-slab loops are runtime loops: unrolled, its straight-line
     code (21k SASS instructions) spent a third of its time on instruction fetch (ncu on the
     H200); looped, every variant is ~7.5k (perf/NOTES.md, 24th session)."""
-    import re
     _, manifest = exported
-    sizes = {e["prefix"]: len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[A-Z@]", sass))
-             for e, sass in _op_sass(exported, "kda_intra")}
+    sizes = {e["prefix"]: len(_instructions(sass)) for e, sass in _op_sass(exported, "kda_intra")}
     assert sizes and len(sizes) == sum(e["op"] == "kda_intra" for e in manifest["kernels"])
     big = {k: v for k, v in sizes.items() if not 1000 < v <= 9000}
     assert not big, f"kda_intra variants outside 1k..9k SASS instructions: {big}"
