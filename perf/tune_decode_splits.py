@@ -24,13 +24,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--explore", type=int, default=4,
-                    help="CTAs an SM holds of the build under test (4: the default build's)")
+    ap.add_argument("--explore", type=int, default=None,
+                    help="CTAs an SM holds of the build under test (default: "
+                         "cutekern.decode.RESIDENT_PER_SM, the default build's)")
     args = ap.parse_args()
     dt, sms = torch.bfloat16, sm_count(torch.device("cuda"))
     pick_resident = dec.RESIDENT_PER_SM
-    # the default sm_90a build's 104 registers a thread fit 4 CTAs an SM: explore up to that
-    explore = args.explore
+    # more splits than the SMs hold at once would leave split 0 waiting for good
+    explore = args.explore or pick_resident
     g = torch.Generator(device="cuda").manual_seed(0)
     qn = torch.ones(dec.HEAD_DIM, device="cuda", dtype=dt)
     rows = []
